@@ -123,7 +123,8 @@ def _looks_like_path(name: str) -> bool:
     return name.startswith(("/", "./", "../", "~", ".\\", "..\\")) or name in (".", "..")
 
 
-def _resolve(name: str, env_id: Optional[str], tiny_preset: str) -> tuple[str, bool]:
+def _resolve(name: str, env_id: Optional[str], tiny_preset: str,
+             tiny_overrides: Optional[dict] = None) -> tuple[str, bool]:
     """-> (what from_pretrained gets, whether it is a local directory)."""
     if name == "tiny":
         if not env_id:
@@ -131,10 +132,10 @@ def _resolve(name: str, env_id: Optional[str], tiny_preset: str) -> tuple[str, b
         from common import tiny
 
         try:  # unknown env id or preset -> a one-line ValueError listing the known ones
-            tiny.full_recipe(env_id, tiny_preset)
-        except ValueError as e:
+            tiny.full_recipe(env_id, tiny_preset, tiny_overrides)
+        except (ValueError, TypeError) as e:
             raise UserError(f"tiny policy: {_first_line(e)}") from None
-        return str(tiny.ensure_tiny(env_id, preset=tiny_preset)), True
+        return str(tiny.ensure_tiny(env_id, preset=tiny_preset, overrides=tiny_overrides)), True
     path = Path(name).expanduser()
     if path.is_dir():
         return str(path), True
@@ -333,13 +334,16 @@ def _setup_tokenizer(tok, model, name: str) -> None:
 def load_policy(model_name_or_path: str, env_id: Optional[str] = None, tiny_preset: str = "default",
                 load_in_4bit: Optional[bool] = None, lora_r: int = 16, lora_alpha: float = 32,
                 lora_dropout: float = 0.0, target_modules: Union[str, Sequence[str]] = "all-linear",
-                activation_checkpointing: bool = False, adapter_name: str = "default", device=None):
+                activation_checkpointing: bool = False, adapter_name: str = "default", device=None,
+                tiny_overrides: Optional[dict] = None):
     """Load a causal LM with one trainable LoRA adapter, and its tokenizer (see the module docstring).
 
     Args:
         model_name_or_path: "tiny" (the tiny local policy of `env_id`), a local directory, or a hub id.
         env_id: the env whose tiny policy to use (only for "tiny").
         tiny_preset: tiny size preset, "default" or "micro".
+        tiny_overrides: changes to the tiny recipe (keys of `common.tiny.PRESETS`), e.g.
+            `{"env_kwargs": {"moves": "strategy"}}` for a tiny policy trained on an env option.
         load_in_4bit: None = nf4 on CUDA and plain weights on CPU; True = 4-bit also on CPU; False = never.
         lora_r, lora_alpha, lora_dropout, target_modules: the LoRA adapter ("all-linear" = every linear
             layer except the output head).
@@ -362,7 +366,7 @@ def load_policy(model_name_or_path: str, env_id: Optional[str] = None, tiny_pres
     lora_config = _lora_config(lora_r, lora_alpha, lora_dropout, target_modules)
     if use_4bit:
         _check_bitsandbytes(dev)
-    src, local = _resolve(str(model_name_or_path), env_id, tiny_preset)
+    src, local = _resolve(str(model_name_or_path), env_id, tiny_preset, tiny_overrides)
     if not local:
         _check_hub_reachable(src)
     dtype, bnb_config = _dtypes(dev, use_4bit)

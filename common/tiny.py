@@ -129,6 +129,8 @@ def recipe_for(env_id: str, preset: str = "default", overrides: Optional[dict] =
     for key, value in (overrides or {}).items():
         if key not in recipe:
             raise ValueError(f"unknown tiny recipe key {key!r}; known keys: {', '.join(sorted(recipe))}")
+        if key == "env_kwargs":  # merged, so an override adds env options to the per-env ones
+            value = {**recipe["env_kwargs"], **dict(value)}
         recipe[key] = value
     if recipe["label"] not in ("taken", "expert"):
         raise ValueError(f"label must be 'taken' or 'expert', got {recipe['label']!r}")

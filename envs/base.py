@@ -132,29 +132,6 @@ class TextEnv:
     def state_key(self) -> Hashable:
         raise NotImplementedError
 
-    # -- used by vs_opponent and self-play -------------------------------------------------------
-    def opponent_styles(self) -> list[str]:
-        """Names of the scripted opponent styles (e.g. "tough", "fair", "conceding", "tit_for_tat")."""
-        raise NotImplementedError
-
-    def scripted_action(self, player: str, style: str) -> str:
-        """The move of a scripted player of the given style, as text, for the current state."""
-        raise NotImplementedError
-
-    def system_prompt_for(self, player: str) -> str:
-        raise NotImplementedError
-
-    def last_view(self, player: str) -> str:
-        """The latest observation text for `player` (what the other side said, or the opening)."""
-        raise NotImplementedError
-
-    def max_turns_per_player(self) -> int:
-        """The most moves one player can make in a game (its horizon in single-agent form)."""
-        raise NotImplementedError
-
-    def admissible_actions(self, player: str) -> list[str]:
-        return []
-
     def expert_action(self) -> str:
         raise NotImplementedError
 
@@ -214,6 +191,29 @@ class TwoPlayerEnv:
 
     def expert_action(self, player: Optional[str] = None) -> str:
         raise NotImplementedError
+
+    # -- used by vs_opponent, self-play and the tiny demos --------------------------------------
+    def opponent_styles(self) -> list[str]:
+        """Names of the scripted opponent styles (e.g. "tough", "fair", "conceding", "tit_for_tat")."""
+        raise NotImplementedError
+
+    def scripted_action(self, player: str, style: str) -> str:
+        """The move of a scripted player of the given style, as text, for the current state."""
+        raise NotImplementedError
+
+    def system_prompt_for(self, player: str) -> str:
+        raise NotImplementedError
+
+    def last_view(self, player: str) -> str:
+        """The latest observation text for `player` (what the other side said, or the opening)."""
+        raise NotImplementedError
+
+    def max_turns_per_player(self) -> int:
+        """The most moves one player can make in a game (its horizon in single-agent form)."""
+        raise NotImplementedError
+
+    def admissible_actions(self, player: str) -> list[str]:
+        return []
 
     def state_key(self) -> Hashable:
         raise NotImplementedError
