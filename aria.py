@@ -1,0 +1,995 @@
+"""ARIA: reward aggregation in an intention space, trained with offline REINFORCE iterations.
+
+Paper: "ARIA: Training Language Agents with Intention-Driven Reward Aggregation", Yang et al., 2025;
+https://arxiv.org/abs/2506.00539 ; official code: https://github.com/rhyang2021/ARIA
+
+Method. In open-ended language games almost every sampled utterance is unique, so a binary outcome
+gives each (history, action) pair one noisy sample of its value. ARIA projects utterances into a small
+"intention space": every action (and every free-text observation) is embedded with a sentence encoder,
+one hierarchical agglomerative clustering (HAC) is built over all of them, and cutting it into k
+clusters maps each utterance to a label. A step's intention key is the label sequence of its history and
+its action, (c(a_1), c(o_1), ..., c(o_{t-1}), c(a_t)). Each step's return is the discounted outcome
+γ^(T-t)·R (R in [0, 1]); the aggregated reward of a step is the mean return of all steps that share its
+key. The granularity k is chosen by SplitScore (the mean change of the aggregated rewards from k to
+k + 1) with an automatic stopping rule (the smallest k whose next τ scores all stay below ε). The
+aggregated reward is the REINFORCE weight: loss = -mean over steps of (Σ_tokens log π(a_t|h_t))·Ã_t,
+a few epochs over the collected games, then a new batch of games with the updated policy (3 iterations
+in the paper). Two-player games (Bargaining, Negotiation) are played in self-play, both roles' moves are
+training data; single-agent games (Twenty Questions, Guess My City) are played against the env's oracle.
+`--no-aggregate` is the paper's ablation: REINFORCE on the raw discounted returns.
+
+Equations -> functions
+- §3.3  R(h_t, a_t) = γ^(T-t) R                                   -> `discounted_returns`
+- §3.2 / App. D  HAC (average linkage), cut into k clusters          -> `hac_labels`
+- §3.3  (h̃_t, ã_t) = (c_k(a_1), c_k(o_1), ..., c_k(a_t))            -> `intention_keys`
+- §3.3  R̃^(k)(h̃, ã) = mean of R(h, a) over S_{h̃, ã}                -> `aggregate_rewards`
+- §3.4  SplitScore(k) = δ_k / |D|, δ_k = Σ |R̃^(k+1) - R̃^(k)|         -> `split_score`
+- §3.4  stopping rule: smallest k with SplitScore(j) < ε, j ∈ [k, k+τ] -> `select_k`
+- §3.3-3.4 the whole pipeline for one batch of games                 -> `aria_credit`
+- §3.5  J(θ) = E[Σ_t log π_θ(a_t|h_t) Ã(h_t, a_t)]                   -> `reinforce_loss`, `update`
+
+Deviations from the paper
+- Encoder: text-embedding-3-small is not reachable offline. `--embedder hash` (default) is a
+  deterministic hashed bag of words and character 3-grams; `--embedder policy` mean-pools the frozen base
+  policy's last hidden states; any AutoModel checkpoint (hub id or local dir) can be given instead.
+  All embeddings are L2-normalised before the Euclidean HAC.
+- K (the largest k tried, paper 100) is capped by the number of distinct utterances (more clusters than
+  distinct points give the same partition).
+- Far smaller budgets on CPU (games per iteration, a tiny policy, its learning rate); see docs/aria.md.
+- Two-player games: R is the win indicator (the paper's win-rate metric; `--game-reward payoff` uses the
+  normalised payoff); the key starts with the acting role, and every message of the game (both players',
+  invalid ones included) is an utterance of the history.
+Deviations from the official code (rhyang2021/ARIA @ 4a6b895)
+- Average linkage (paper App. D) by default; `--linkage ward` is the official code's choice.
+- SplitScore over all steps at every turn (the official single-agent script only matches first turns),
+  ε = 0.01, τ = 10 as in the paper (official: 0.005/20 single-agent, 0.01/17 two-player).
+- Every step is trained, the first one included, with the discount γ^(T-t) (last step γ^0) for both
+  players; the official code skips the first action, uses γ^(T-j) with the last action at γ^1, and
+  discounts Bob not at all.
+- The training prompt is the one the action was sampled from (chat template, full history), scored as
+  one left-padded sequence; the official code lags the history by one turn and tokenises without it.
+- Twenty Questions answers are labelled by their exact text (the official code uses a Yes/No keyword
+  rule); free-text observations (Guess My City) are clustered jointly with the actions, as officially.
+
+Example
+    python aria.py                                         # tiny Twenty Questions, CPU
+    python aria.py --env-id bargaining --no-aggregate      # self-play Bargaining, the REINFORCE ablation
+    python aria.py --model-name meta-llama/Meta-Llama-3-8B-Instruct --env-id negotiation \\
+        --embedder sentence-transformers/all-MiniLM-L6-v2 --games-per-iteration 1000
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import re
+import sys
+import time
+import zlib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal, Optional
+
+import numpy as np
+import torch
+import tyro
+from tqdm.auto import tqdm
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. Arguments
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class Args:
+    # experiment
+    exp_name: str = Path(__file__).stem
+    """name of the run (the run directory is {env}__{exp_name}__{seed}__{time})"""
+    seed: int = 1
+    """random seed (python, numpy, torch, task sampling)"""
+    output_dir: str = "runs"
+    """directory under which the run directory is created"""
+    track: bool = False
+    """also log to TensorBoard (only if tensorboard is installed)"""
+    save_model: bool = True
+    """save the LoRA adapter to <run>/adapter at checkpoints and at the end"""
+    checkpoint_every: int = 1
+    """save the adapter every this many iterations (0: only at the end)"""
+    torch_threads: int = 0
+    """CPU threads for torch (0: leave torch's default)"""
+
+    # model
+    model_name: str = "tiny"
+    """'tiny' (the env's tiny local policy), a hub id, or a local directory"""
+    tiny_preset: str = "default"
+    """tiny policy size preset: 'default' or 'micro' (builds in seconds, for tests)"""
+    load_in_4bit: Optional[bool] = None
+    """None: nf4 on CUDA, plain weights on CPU; True forces 4-bit; False never"""
+    lora_r: int = 8
+    """LoRA rank (paper: 8)"""
+    lora_alpha: int = 16
+    """LoRA alpha (paper: 16)"""
+    lora_dropout: float = 0.0
+    """LoRA dropout"""
+    activation_checkpointing: bool = False
+    """activation checkpointing in the training forward (saves GPU memory on real models)"""
+    max_new_tokens: Optional[int] = None
+    """most tokens generated per turn; None: the tiny recipe's value for a tiny policy, 128 otherwise"""
+    temperature: float = 1.0
+    """sampling temperature of the rollouts"""
+    eval_temperature: float = 1.0
+    """sampling temperature of the sampled evaluation (greedy is evaluated as well)"""
+
+    # environment
+    env_id: str = "twenty_questions"
+    """twenty_questions, guess_my_city (single agent vs the oracle) or bargaining, negotiation (self-play)"""
+    history: Optional[int] = None
+    """past turns shown in the prompt; None: the env's default (or the tiny recipe's)"""
+    max_turns: int = 0
+    """most turns per single-agent game (0: the env's default; paper: 20 questions)"""
+    game_reward: Literal["win", "payoff"] = "win"
+    """two-player R: 'win' (1 if the player's payoff beats the other's) or 'payoff' (normalised, in [0, 1])"""
+    eval_num_tasks: int = 10
+    """test tasks per evaluation (0: all test tasks of the env)"""
+    eval_k: int = 2
+    """sampled games per test task (and per role and opponent in two-player games)"""
+    eval_opponents: tuple[str, ...] = ()
+    """scripted opponent styles of the two-player evaluation (empty: all styles of the game)"""
+    eval_every: int = 1
+    """evaluate every this many iterations (and before training and at the end)"""
+    num_logged_episodes: int = 4
+    """decoded games written to samples.jsonl per iteration and per evaluation"""
+
+    # algorithm
+    aggregate: bool = True
+    """aggregate rewards in the intention space (ARIA); --no-aggregate: REINFORCE on raw discounted returns"""
+    num_iterations: int = 3
+    """collect-then-train iterations (paper: 3)"""
+    games_per_iteration: int = 48
+    """games collected per iteration with the current policy (paper: 1000)"""
+    num_epochs: int = 3
+    """epochs of offline REINFORCE over each iteration's steps (paper: 3)"""
+    batch_size: Optional[int] = None
+    """steps per optimizer step; None: 16 single-agent, 32 two-player (paper)"""
+    micro_batch_size: int = 32
+    """steps per forward pass (gradient accumulation inside a batch)"""
+    learning_rate: Optional[float] = None
+    """Adam learning rate; None: 2e-5 (paper) for a real model, 5e-4 for the tiny policy"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm (official: 1.0)"""
+    gamma: float = 0.95
+    """discount of the outcome over a player's turns (official: 0.95)"""
+    embedder: str = "hash"
+    """'hash' (hashed words and character 3-grams), 'policy' (mean-pooled frozen base), or an AutoModel id/dir"""
+    embed_dim: int = 256
+    """dimension of the hash embedding"""
+    linkage: Literal["average", "ward", "complete", "single"] = "average"
+    """HAC linkage (paper App. D: average; official code: ward)"""
+    max_k: int = 100
+    """K: largest number of clusters tried (paper: 100; capped by the number of distinct utterances)"""
+    split_eps: float = 0.01
+    """ε of the stopping rule (paper: 0.01)"""
+    split_tau: int = 10
+    """τ, window of the stopping rule (paper: 10)"""
+    fixed_k: int = 0
+    """use this k instead of the SplitScore choice (0: automatic)"""
+    observation_labels: Literal["auto", "cluster", "exact"] = "auto"
+    """single-agent observations: 'cluster' (jointly with the actions), 'exact' (by text); auto: exact for twenty_questions"""
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. Credit assignment (ALGO LOGIC)
+# ----------------------------------------------------------------------------------------------
+def discounted_returns(R, T, gamma):
+    """Per-step returns of a player's T turns (§3.3): R(h_t, a_t) = γ^(T-t) R for t = 1..T,
+    i.e. [γ^(T-1) R, ..., γ R, R]."""
+    T = int(T)
+    if T <= 0:
+        return np.zeros(0)
+    return float(R) * float(gamma) ** np.arange(T - 1, -1, -1, dtype=np.float64)
+
+
+def hac_labels(embeddings, ks, method="average"):
+    """One hierarchical agglomerative clustering of the rows (App. D), cut into each k of `ks`.
+
+    scipy `linkage(X, method, metric="euclidean")` then `fcluster(Z, k, criterion="maxclust")`: at most
+    k clusters (fewer when the rows have fewer distinct values), labels 1..k. Returns {k: int array}.
+    """
+    from scipy.cluster.hierarchy import fcluster, linkage
+
+    X = np.asarray(embeddings, dtype=np.float64)
+    n = len(X)
+    if n < 2:
+        return {int(k): np.ones(n, dtype=int) for k in ks}
+    Z = linkage(X.reshape(n, -1), method=method, metric="euclidean")
+    return {int(k): fcluster(Z, t=int(k), criterion="maxclust").astype(int) for k in ks}
+
+
+def intention_keys(labels, episodes, steps):
+    """The intention key of each step (§3.3): (tag, c(u_1), c(u_2), ..., c(u_p)).
+
+    labels: the label of every utterance (a flat array); episodes: per episode, the indices into
+    `labels` of its utterances in order (single agent: a_1, o_1, a_2, o_2, ...; two-player: every
+    message of the game); steps: (episode, position of the step's action in that episode, tag) with
+    tag = the acting player (a constant for single-agent games). Returns a list of tuples.
+    """
+    lab = np.asarray(labels)
+    return [(tag,) + tuple(lab[np.asarray(episodes[e][: p + 1], dtype=int)].tolist()) for e, p, tag in steps]
+
+
+def aggregate_rewards(keys, returns):
+    """R̃(h̃, ã) = mean of R(h, a) over the steps whose key equals (h̃, ã) (§3.3); one value per step."""
+    returns = np.asarray(returns, dtype=np.float64)
+    sums, counts = {}, {}
+    for key, r in zip(keys, returns):
+        sums[key] = sums.get(key, 0.0) + float(r)
+        counts[key] = counts.get(key, 0) + 1
+    return np.array([sums[k] / counts[k] for k in keys], dtype=np.float64)
+
+
+def split_score(values_k, values_k1):
+    """SplitScore(k) = δ_k / |D| = mean over all steps of |R̃^(k+1) - R̃^(k)| (§3.4)."""
+    a = np.asarray(values_k, dtype=np.float64)
+    b = np.asarray(values_k1, dtype=np.float64)
+    if a.shape != b.shape:
+        raise ValueError(f"values at k and k+1 must have one entry per step, got {a.shape} and {b.shape}")
+    return float(np.abs(b - a).mean()) if a.size else 0.0
+
+
+def select_k(scores, eps=0.01, tau=10):
+    """Automatic stopping (§3.4): the smallest k such that SplitScore(j) < eps for every j in [k, k + tau]
+    that has a score; the largest k of `scores` if none qualifies. scores: {k: SplitScore(k)}."""
+    if not scores:
+        raise ValueError("select_k needs at least one SplitScore")
+    ks = sorted(scores)
+    for k in ks:
+        if all(scores[j] < eps for j in ks if k <= j <= k + tau):
+            return k
+    return ks[-1]
+
+
+def aria_credit(labels_by_k, episodes, steps, returns, eps=0.01, tau=10, fixed_k=0):
+    """The whole aggregation for one batch of games.
+
+    labels_by_k: {k: label of every utterance}; the rest as in `intention_keys`; returns: R(h_t, a_t)
+    per step. For each k: R̃^(k) = aggregate_rewards(intention_keys(labels_k)); SplitScore(k) compares k
+    with the next k; k* = select_k (or `fixed_k`). Returns dict(k=k*, values=R̃^(k*), scores={k: score},
+    num_keys={k: distinct keys}).
+    """
+    ks = sorted(labels_by_k)
+    values, num_keys = {}, {}
+    for k in ks:
+        keys = intention_keys(labels_by_k[k], episodes, steps)
+        values[k] = aggregate_rewards(keys, returns)
+        num_keys[k] = len(set(keys))
+    scores = {k: split_score(values[k], values[k1]) for k, k1 in zip(ks[:-1], ks[1:])}
+    if fixed_k:
+        k_star = min(ks, key=lambda k: abs(k - fixed_k))
+    else:
+        k_star = select_k(scores, eps, tau) if scores else ks[-1]
+    return {"k": k_star, "values": values[k_star], "scores": scores, "num_keys": num_keys}
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. Rollout
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class Episode:
+    """One game: its utterances in order and its training steps (one per action of a learning player)."""
+
+    traj_id: int
+    task_id: str
+    utterances: list = field(default_factory=list)  # texts in game order (single agent: a_1, o_1, a_2, ...)
+    kinds: list = field(default_factory=list)  # "action" / "observation" per utterance
+    steps: list = field(default_factory=list)  # dicts: player, pos, prompt, completion, invalid
+    outcome: dict = field(default_factory=dict)  # player -> R in [0, 1]
+    success: bool = False  # single agent: solved; two-player: a deal was made
+    env_return: float = 0.0  # single agent: env reward; two-player: mean payoff
+    payoffs: dict = field(default_factory=dict)
+
+    @property
+    def length(self) -> int:
+        return len(self.steps)
+
+
+def render_prompt(tok, messages) -> str:
+    """The sampling-time prompt: the chat template with the generation prompt, as text."""
+    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def encode(tok, text: str) -> list:
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def decode_action(tok, completion) -> str:
+    return tok.decode(completion, skip_special_tokens=True)
+
+
+@torch.no_grad()
+def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False):
+    """One batched generate (left padding, top_k=0, top_p=1, stop at EOS). Returns completion id lists."""
+    device = next(model.parameters()).device
+    pad = tok.pad_token_id
+    L = max(len(p) for p in prompt_ids)
+    input_ids = torch.full((len(prompt_ids), L), pad, dtype=torch.long)
+    attn = torch.zeros((len(prompt_ids), L), dtype=torch.long)
+    for i, p in enumerate(prompt_ids):
+        input_ids[i, L - len(p):] = torch.tensor(p)
+        attn[i, L - len(p):] = 1
+    kw = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+    out = model.generate(input_ids=input_ids.to(device), attention_mask=attn.to(device), max_new_tokens=max_new_tokens,
+                         pad_token_id=pad, eos_token_id=tok.eos_token_id, **kw)
+    comps = []
+    for row in out[:, L:].tolist():
+        if tok.eos_token_id in row:
+            row = row[: row.index(tok.eos_token_id) + 1]
+        comps.append(row)
+    return comps
+
+
+def rollout_single(model, tok, make_env, task_ids, args, temperature, greedy=False):
+    """Single-agent games against the env's oracle, all envs stepped together (one generate per turn).
+    Utterances: the parsed action and the observation of every turn; R = 1 if solved, else 0."""
+    from envs import extract_action
+
+    envs_, eps = [], []
+    for i, task in enumerate(task_ids):
+        env = make_env()
+        env.reset(task)
+        envs_.append(env)
+        eps.append(Episode(traj_id=i, task_id=str(task)))
+    model.eval()
+    while True:
+        active = [i for i, e in enumerate(envs_) if not e.done]
+        if not active:
+            break
+        prompts = [encode(tok, render_prompt(tok, envs_[i].messages())) for i in active]
+        comps = generate(model, tok, prompts, temperature, args.max_new_tokens, greedy=greedy)
+        for k, i in enumerate(active):
+            text = decode_action(tok, comps[k])
+            st = envs_[i].step(text)
+            ep = eps[i]
+            ep.steps.append({"player": "agent", "pos": len(ep.utterances), "prompt": prompts[k],
+                             "completion": comps[k], "invalid": bool(st.info.get("invalid", False))})
+            ep.utterances += [extract_action(text), str(st.observation)]
+            ep.kinds += ["action", "observation"]
+            ep.env_return += float(st.reward)
+            if st.done:
+                ep.success = bool(st.info.get("success", False))
+    for ep in eps:
+        ep.outcome = {"agent": float(ep.success)}
+    return eps
+
+
+def rollout_selfplay(model, tok, make_game, task_ids, args, temperature, greedy=False):
+    """Two-player games in self-play: the policy plays both roles; all games stepped together, one
+    generate per round of messages. Every message is an utterance and a training step of its player.
+    R per player: the win indicator (`--game-reward win`) or the normalised payoff (`payoff`)."""
+    from envs import extract_action
+
+    games, eps = [], []
+    for i, task in enumerate(task_ids):
+        g = make_game()
+        g.reset(task)
+        games.append(g)
+        eps.append(Episode(traj_id=i, task_id=str(task)))
+    cap = 2 * games[0].max_turns_per_player() + 2 if games else 0
+    model.eval()
+    for _ in range(cap):
+        active = [i for i, g in enumerate(games) if not g.done]
+        if not active:
+            break
+        players = [games[i].current_player for i in active]
+        prompts = [encode(tok, render_prompt(tok, games[i].observe(p))) for i, p in zip(active, players)]
+        comps = generate(model, tok, prompts, temperature, args.max_new_tokens, greedy=greedy)
+        for k, i in enumerate(active):
+            text = decode_action(tok, comps[k])
+            st = games[i].step(text)
+            ep = eps[i]
+            ep.steps.append({"player": players[k], "pos": len(ep.utterances), "prompt": prompts[k],
+                             "completion": comps[k], "invalid": bool(st.info.get("invalid", False))})
+            ep.utterances.append(extract_action(text))
+            ep.kinds.append("action")
+    for g, ep in zip(games, eps):
+        pay = g.payoffs()
+        ep.payoffs = {p: float(v) for p, v in pay.items()}
+        ep.success = bool(getattr(g, "deal_round", None) is not None)
+        ep.env_return = float(np.mean(list(pay.values())))
+        a, b = g.players
+        for p in g.players:
+            q = b if p == a else a
+            if args.game_reward == "win":
+                ep.outcome[p] = float(pay[p] > pay[q] + 1e-9)
+            else:
+                prog = g.progress(p) if hasattr(g, "progress") else 0.0
+                ep.outcome[p] = float(min(1.0, max(0.0, prog)))
+    return eps
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. Log-probs and loss
+# ----------------------------------------------------------------------------------------------
+def completion_logprobs(model, tok, prompt_ids, completion_ids):
+    """Per-token log-probs of the completions given the prompts, one left-padded forward.
+
+    Returns (logp [B, C_max], mask [B, C_max]); completions are right-aligned (row i's tokens are the
+    last len(completion_i) columns). Only the last C_max + 1 positions' logits are computed
+    (`logits_to_keep`), and log p = logit[token] - logsumexp(logits) (no full log-softmax).
+    """
+    device = next(model.parameters()).device
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    seqs = [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids)]
+    L = max(len(s) for s in seqs)
+    C = max(1, max(len(c) for c in completion_ids))
+    input_ids = torch.full((len(seqs), L), pad, dtype=torch.long)
+    attn = torch.zeros((len(seqs), L), dtype=torch.long)
+    cmask = torch.zeros((len(seqs), C), dtype=torch.float32)
+    for i, (s, c) in enumerate(zip(seqs, completion_ids)):
+        input_ids[i, L - len(s):] = torch.tensor(s)
+        attn[i, L - len(s):] = 1
+        if len(c):
+            cmask[i, C - len(c):] = 1.0
+    input_ids, attn, cmask = input_ids.to(device), attn.to(device), cmask.to(device)
+    position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids,
+                   logits_to_keep=C + 1).logits[:, :-1].float()
+    targets = input_ids[:, L - C:]
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    return logp * cmask, cmask
+
+
+def reinforce_loss(seq_logp, weights, batch_size):
+    """Offline REINFORCE (§3.5): -(1/B) Σ_i Ã_i Σ_tokens log π(a_i|h_i), B = the steps of the batch
+    (steps with weight 0, whose forward is skipped, count in B)."""
+    return -(seq_logp * weights).sum() / float(batch_size)
+
+
+def update(model, tok, optimizer, samples, args, rng):
+    """`num_epochs` passes of offline REINFORCE over the steps (dicts with prompt, completion, weight),
+    shuffled, `batch_size` steps per optimizer step. Zero-weight steps add nothing to the loss: their
+    forward is skipped, and a batch without any weight gives no optimizer step."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    stats = {"loss": [], "loss_first_epoch": [], "grad_norm": [], "logp": [], "steps": 0}
+    model.train()
+    for epoch in range(args.num_epochs):
+        order = rng.permutation(len(samples))
+        for s in range(0, len(order), args.batch_size):
+            batch = [samples[i] for i in order[s:s + args.batch_size]]
+            live = [x for x in batch if x["weight"] != 0.0]
+            if not live:
+                continue
+            optimizer.zero_grad(set_to_none=True)
+            tot = 0.0
+            for m in range(0, len(live), args.micro_batch_size):
+                chunk = live[m:m + args.micro_batch_size]
+                lp, mask = completion_logprobs(model, tok, [x["prompt"] for x in chunk], [x["completion"] for x in chunk])
+                seq = lp.sum(-1)
+                w = torch.tensor([x["weight"] for x in chunk], dtype=seq.dtype, device=seq.device)
+                loss = reinforce_loss(seq, w, len(batch))
+                loss.backward()
+                tot += float(loss.detach())
+                stats["logp"] += seq.detach().cpu().tolist()
+            gn = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+            optimizer.step()
+            stats["steps"] += 1
+            if epoch == args.num_epochs - 1:
+                stats["loss"].append(tot)
+            if epoch == 0:
+                stats["loss_first_epoch"].append(tot)
+            stats["grad_norm"].append(float(gn))
+    model.eval()
+    return {"loss": float(np.mean(stats["loss"])) if stats["loss"] else 0.0,
+            "loss_first_epoch": float(np.mean(stats["loss_first_epoch"])) if stats["loss_first_epoch"] else 0.0,
+            "grad_norm": float(np.mean(stats["grad_norm"])) if stats["grad_norm"] else 0.0,
+            "weighted_seq_logp": float(np.mean(stats["logp"])) if stats["logp"] else 0.0,
+            "optimizer_steps": stats["steps"]}
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. Evaluation, logging and checkpoints
+# ----------------------------------------------------------------------------------------------
+_WORD = re.compile(r"[a-z]+|\d+(?:\.\d+)?|[^\sa-z\d]")
+
+
+def _hash_feature(feature: str, dim: int) -> tuple[int, float]:
+    h = zlib.crc32(feature.encode("utf-8"))
+    return h % dim, (1.0 if (h >> 31) & 1 else -1.0)
+
+
+def hash_embed(texts, dim=256):
+    """Deterministic text vectors without a model: signed feature hashing of the words (first half of
+    the vector) and of the character 3-grams of the padded lower-cased text (second half); each half is
+    L2-normalised, then the whole row (rows of empty texts stay zero)."""
+    half = max(1, dim // 2)
+    out = np.zeros((len(texts), 2 * half), dtype=np.float64)
+    for i, text in enumerate(texts):
+        s = " ".join(str(text).lower().split())
+        for w in _WORD.findall(s):
+            j, sign = _hash_feature("w:" + w, half)
+            out[i, j] += sign
+        padded = f"  {s} "
+        for j0 in range(len(padded) - 2):
+            j, sign = _hash_feature("c:" + padded[j0:j0 + 3], half)
+            out[i, half + j] += sign
+        for block in (slice(0, half), slice(half, 2 * half)):
+            n = np.linalg.norm(out[i, block])
+            if n > 0:
+                out[i, block] /= n
+    return _l2_rows(out)
+
+
+def _l2_rows(x):
+    n = np.linalg.norm(x, axis=1, keepdims=True)
+    return x / np.where(n > 0, n, 1.0)
+
+
+@torch.no_grad()
+def _mean_pool(forward, tok, texts, batch_size=64, device="cpu"):
+    """Mean of the last hidden states over the real tokens of each text (batched, padded)."""
+    out = []
+    for s in range(0, len(texts), batch_size):
+        chunk = [t if t.strip() else "(empty)" for t in texts[s:s + batch_size]]
+        enc = tok(chunk, padding=True, truncation=True, max_length=256, return_tensors="pt")
+        enc = {k: v.to(device) for k, v in enc.items()}
+        hidden = forward(enc).float()
+        m = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+        out.append(((hidden * m).sum(1) / m.sum(1).clamp(min=1.0)).cpu().numpy())
+    return np.concatenate(out, 0).astype(np.float64) if out else np.zeros((0, 1))
+
+
+class Embedder:
+    """Text -> vector: 'hash', 'policy' (frozen base policy, adapter off) or an AutoModel checkpoint."""
+
+    def __init__(self, name, model=None, tok=None, dim=256):
+        from common.models import UserError
+
+        self.name, self.model, self.tok, self.dim = name, model, tok, dim
+        self.encoder = self.enc_tok = None
+        if name in ("hash", "policy"):
+            return
+        from transformers import AutoModel, AutoTokenizer
+
+        local = Path(name).expanduser().is_dir()
+        if not local:
+            if name.startswith(("/", "./", "../", "~")):
+                raise UserError(f"--embedder {name!r}: no such local directory; use --embedder hash, policy, "
+                                f"or an encoder checkpoint directory")
+            try:
+                from common.models import _check_hub_reachable
+
+                _check_hub_reachable(name)
+            except UserError as e:
+                raise UserError(f"--embedder: {e}".replace("use --model-name tiny or a local checkpoint directory",
+                                                           "use --embedder hash or a local encoder directory")) from None
+            except ImportError:
+                pass
+        try:
+            self.enc_tok = AutoTokenizer.from_pretrained(str(Path(name).expanduser()) if local else name)
+            self.encoder = AutoModel.from_pretrained(str(Path(name).expanduser()) if local else name)
+        except (OSError, ValueError) as e:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise UserError(f"cannot load the encoder {name!r}: {first}; use --embedder hash or a local encoder "
+                            f"directory") from None
+        if self.enc_tok.pad_token is None:
+            self.enc_tok.pad_token = self.enc_tok.eos_token or self.enc_tok.unk_token
+        self.enc_tok.padding_side = "right"
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.encoder.to(self.device).eval()
+
+    def __call__(self, texts):
+        texts = [str(t) for t in texts]
+        if not texts:
+            return np.zeros((0, self.dim))
+        if self.name == "hash":
+            return hash_embed(texts, self.dim)
+        if self.name == "policy":
+            model, tok = self.model, self.tok
+            device = next(model.parameters()).device
+            side = tok.padding_side
+            tok.padding_side = "right"
+
+            def fwd(enc):
+                return model(**enc, output_hidden_states=True, logits_to_keep=1).hidden_states[-1]
+
+            try:
+                with model.disable_adapter():
+                    emb = _mean_pool(fwd, tok, texts, device=device)
+            finally:
+                tok.padding_side = side
+            return _l2_rows(emb)
+        return _l2_rows(_mean_pool(lambda enc: self.encoder(**enc).last_hidden_state, self.enc_tok, texts,
+                                   device=self.device))
+
+
+def embed_utterances(embedder, episodes, observation_labels):
+    """Flatten the games' utterances. Returns (labels base array with fixed negative labels for exactly
+    labelled observations and 0 for the clustered ones, indices of the clustered utterances, per-episode
+    index lists, embeddings of the distinct clustered texts, index of each clustered utterance's text)."""
+    texts, kinds, ep_index = [], [], []
+    for ep in episodes:
+        ep_index.append(list(range(len(texts), len(texts) + len(ep.utterances))))
+        texts += ep.utterances
+        kinds += ep.kinds
+    base = np.zeros(len(texts), dtype=np.int64)
+    exact = {}
+    clustered = []
+    for i, (t, kind) in enumerate(zip(texts, kinds)):
+        if kind == "observation" and observation_labels == "exact":
+            base[i] = -1 - exact.setdefault(t, len(exact))
+        else:
+            clustered.append(i)
+    distinct = {}
+    which = np.array([distinct.setdefault(texts[i], len(distinct)) for i in clustered], dtype=np.int64)
+    emb = embedder(list(distinct))
+    return base, np.array(clustered, dtype=np.int64), ep_index, emb, which
+
+
+def credit_for_batch(episodes, embedder, args):
+    """Embed, cluster (one HAC over every clustered utterance instance), aggregate for every k, choose k.
+    Returns per-step raw returns, aggregated rewards, and statistics."""
+    t0 = time.time()
+    base, clustered, ep_index, emb_distinct, which = embed_utterances(embedder, episodes, args.observation_labels)
+    t_embed = time.time() - t0
+    steps, returns = [], []
+    for e, ep in enumerate(episodes):
+        by_player = {}
+        for s in ep.steps:
+            by_player.setdefault(s["player"], []).append(s)
+        ret = {p: list(discounted_returns(ep.outcome.get(p, 0.0), len(v), args.gamma)) for p, v in by_player.items()}
+        for s in ep.steps:
+            steps.append((e, s["pos"], s["player"]))
+            returns.append(ret[s["player"]].pop(0))
+    returns = np.asarray(returns, dtype=np.float64)
+    t1 = time.time()
+    n_distinct = len(emb_distinct)
+    K = max(1, min(args.max_k, n_distinct))
+    ks = list(range(2, K + 1)) if K >= 2 else [1]
+    hac = hac_labels(emb_distinct[which] if len(clustered) else np.zeros((0, 1)), ks, args.linkage)
+    labels_by_k = {}
+    for k, lab in hac.items():
+        full = base.copy()
+        full[clustered] = lab
+        labels_by_k[k] = full
+    res = aria_credit(labels_by_k, ep_index, steps, returns, args.split_eps, args.split_tau, args.fixed_k)
+    t_cluster = time.time() - t1
+    agg = res["values"]
+    stats = {
+        "credit/selected_k": res["k"],
+        "credit/max_k": ks[-1],
+        "credit/num_steps": len(steps),
+        "credit/num_utterances": int(len(base)),
+        "credit/num_distinct_utterances": int(n_distinct),
+        "credit/num_intentions": res["num_keys"][res["k"]],
+        "credit/num_histories_exact": len({tuple([st[2]] + [episodes[st[0]].utterances[j] for j in range(st[1] + 1)])
+                                           for st in steps}),
+        "credit/reward_var_raw": float(returns.var()) if len(returns) else 0.0,
+        "credit/reward_var_aggregated": float(agg.var()) if len(agg) else 0.0,
+        "credit/reward_mean_raw": float(returns.mean()) if len(returns) else 0.0,
+        "credit/reward_mean_aggregated": float(agg.mean()) if len(agg) else 0.0,
+        "credit/nonzero_raw_frac": float((returns > 0).mean()) if len(returns) else 0.0,
+        "credit/nonzero_aggregated_frac": float((agg > 0).mean()) if len(agg) else 0.0,
+        "credit/split_score_at_k": float(res["scores"].get(res["k"], 0.0)),
+        "credit/split_scores": [round(res["scores"][k], 6) for k in sorted(res["scores"])],  # k = 2, 3, ...
+        "perf/embed_seconds": t_embed,
+        "perf/cluster_seconds": t_cluster,
+    }
+    return returns, agg, stats
+
+
+def episode_record(ep, tag, weights=None):
+    rec = {"tag": tag, "task": ep.task_id, "outcome": ep.outcome, "success": ep.success}
+    if ep.payoffs:
+        rec["payoffs"] = ep.payoffs
+    turns = []
+    for j, s in enumerate(ep.steps):
+        t = {"player": s["player"], "action": ep.utterances[s["pos"]], "invalid": s["invalid"]}
+        if s["pos"] + 1 < len(ep.kinds) and ep.kinds[s["pos"] + 1] == "observation":
+            t["observation"] = ep.utterances[s["pos"] + 1]
+        if weights is not None:
+            t["raw_return"], t["weight"] = weights[j]
+        turns.append(t)
+    rec["turns"] = turns
+    return rec
+
+
+def evaluate(model, tok, spec, tasks, args):
+    """Single agent: success over `eval_k` sampled games per test task and one greedy game per task.
+    Two-player: the policy plays each role against each scripted style (`envs.vs_opponent`); the win
+    rate per role and style, sampled (`eval_k` games per task) and greedy."""
+    import envs
+
+    out, records = {}, []
+    if not spec["two_player"]:
+        tasks_k = [t for t in tasks for _ in range(args.eval_k)]
+        eps = rollout_single(model, tok, spec["make"], tasks_k, args, args.eval_temperature)
+        out["eval/success"] = float(np.mean([ep.success for ep in eps]))
+        out["eval/return"] = float(np.mean([ep.env_return for ep in eps]))
+        out["eval/episode_length"] = float(np.mean([ep.length for ep in eps]))
+        out["eval/invalid_frac"] = float(np.mean([s["invalid"] for ep in eps for s in ep.steps]))
+        records += [episode_record(ep, "eval/sampled") for ep in eps[: args.num_logged_episodes]]
+        greedy = rollout_single(model, tok, spec["make"], tasks, args, 1.0, greedy=True)
+        out["eval/success_greedy"] = float(np.mean([ep.success for ep in greedy]))
+        return out, records
+    probe = spec["probe"]
+    styles = list(args.eval_opponents) or list(probe.opponent_styles())
+    kw = spec["env_kwargs"]
+    sampled, greedy, rets, lens, inval = [], [], [], [], []
+    for role in probe.players:
+        for style in styles:
+            def make(role=role, style=style):
+                return envs.vs_opponent(envs.make(spec["env_id"], **kw), f"rule:{style}", learner=role)
+
+            tasks_k = [t for t in tasks for _ in range(args.eval_k)]
+            eps = rollout_single(model, tok, make, tasks_k, args, args.eval_temperature)
+            g = rollout_single(model, tok, make, tasks, args, 1.0, greedy=True)
+            wr, wr_g = float(np.mean([ep.success for ep in eps])), float(np.mean([ep.success for ep in g]))
+            out[f"eval/win_rate_{role}_vs_{style}"] = wr
+            out[f"eval/win_rate_greedy_{role}_vs_{style}"] = wr_g
+            sampled.append(wr)
+            greedy.append(wr_g)
+            rets += [ep.env_return for ep in eps]
+            lens += [ep.length for ep in eps]
+            inval += [s["invalid"] for ep in eps for s in ep.steps]
+            if style == styles[0]:
+                records += [dict(episode_record(ep, f"eval/{role}_vs_{style}"), role=role)
+                            for ep in eps[: max(1, args.num_logged_episodes // 2)]]
+        out[f"eval/win_rate_{role}"] = float(np.mean([out[f"eval/win_rate_{role}_vs_{s}"] for s in styles]))
+    out["eval/success"] = out["eval/win_rate"] = float(np.mean(sampled))
+    out["eval/success_greedy"] = out["eval/win_rate_greedy"] = float(np.mean(greedy))
+    out["eval/return"] = float(np.mean(rets))
+    out["eval/episode_length"] = float(np.mean(lens))
+    out["eval/invalid_frac"] = float(np.mean(inval)) if inval else 0.0
+    return out, records
+
+
+def base_fingerprint(model) -> str:
+    """sha256 over every non-LoRA parameter's bytes (must not change during training)."""
+    h = hashlib.sha256()
+    for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        if "lora_" in name:
+            continue
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+class Logger:
+    def __init__(self, run_dir: Path, track: bool):
+        self.f = open(run_dir / "metrics.jsonl", "a")
+        self.samples = open(run_dir / "samples.jsonl", "a")
+        self.tb = None
+        if track:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self.tb = SummaryWriter(str(run_dir / "tb"))
+            except Exception:  # noqa: BLE001 - optional extra
+                print("--track: tensorboard is not installed; logging to metrics.jsonl only")
+
+    def log(self, it: int, row: dict):
+        self.f.write(json.dumps({"iteration": it, **row}) + "\n")
+        self.f.flush()
+        if self.tb:
+            for k, v in row.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self.tb.add_scalar(k, v, it)
+
+    def log_samples(self, it: int, records: list):
+        for r in records:
+            self.samples.write(json.dumps({"iteration": it, **r}, default=str) + "\n")
+        self.samples.flush()
+
+
+def save_adapter(model, run_dir: Path):
+    model.save_pretrained(str(run_dir / "adapter"))
+
+
+# ----------------------------------------------------------------------------------------------
+# 6. Main loop
+# ----------------------------------------------------------------------------------------------
+def tiny_recipe(model_name, env_id, tiny_preset):
+    """The build recipe of a tiny policy ("tiny" or a directory with tiny_meta.json); None otherwise."""
+    if model_name == "tiny":
+        from common.models import UserError
+        from common.tiny import full_recipe
+
+        try:
+            return full_recipe(env_id, tiny_preset)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+    meta = Path(model_name).expanduser() / "tiny_meta.json"
+    if meta.is_file():
+        return json.loads(meta.read_text()).get("recipe") or {}
+    return None
+
+
+def make_env_spec(env_id, env_kwargs, max_turns):
+    """What the loop needs about the env: a factory, a probe instance, whether it is a two-player game."""
+    import envs
+    from common.models import UserError
+
+    if env_id not in envs.available():
+        raise UserError(f"env {env_id!r} is not available in this checkout; available env ids: "
+                        f"{', '.join(envs.available()) or 'none'}")
+    two_player = env_id in envs.TWO_PLAYER
+    kw = dict(env_kwargs)
+
+    def make():
+        env = envs.make(env_id, **kw)
+        if max_turns and not two_player:
+            env.max_turns = max_turns
+        return env
+
+    try:
+        probe = make()
+        probe.reset(probe.task_ids("train")[0])
+    except (ValueError, TypeError) as e:
+        raise UserError(f"env {env_id!r}: {e}") from None
+    return {"env_id": env_id, "make": make, "probe": probe, "two_player": two_player, "env_kwargs": kw}
+
+
+def main(args: Args):
+    from common.models import UserError, load_policy
+
+    t_start = time.time()
+    if args.torch_threads > 0:
+        torch.set_num_threads(args.torch_threads)
+    if args.num_iterations < 0 or args.games_per_iteration < 1 or args.num_epochs < 1 or args.eval_k < 1:
+        raise UserError("--num-iterations must be >= 0; --games-per-iteration, --num-epochs and --eval-k >= 1")
+    if not 0.0 < args.gamma <= 1.0:
+        raise UserError(f"--gamma must be in (0, 1], got {args.gamma}")
+    if args.max_k < 2 or args.split_tau < 0 or args.split_eps <= 0:
+        raise UserError("--max-k must be >= 2, --split-tau >= 0 and --split-eps > 0")
+    if args.micro_batch_size < 1 or (args.batch_size is not None and args.batch_size < 1):
+        raise UserError("--batch-size and --micro-batch-size must be >= 1")
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    rng = np.random.default_rng(args.seed)
+
+    # a tiny policy was trained on prompts rendered with its recipe's env options: use the same ones
+    recipe = tiny_recipe(args.model_name, args.env_id, args.tiny_preset)
+    is_tiny = recipe is not None
+    env_kwargs = dict(recipe.get("env_kwargs") or {}) if is_tiny and recipe.get("env_id", args.env_id) == args.env_id else {}
+    if args.history is not None:
+        env_kwargs["history"] = args.history
+    spec = make_env_spec(args.env_id, env_kwargs, args.max_turns)
+    probe = spec["probe"]
+    if spec["two_player"]:
+        bad = [s for s in args.eval_opponents if s not in probe.opponent_styles()]
+        if bad:
+            raise UserError(f"--eval-opponents: unknown style(s) {bad}; known: {', '.join(probe.opponent_styles())}")
+    if args.observation_labels == "auto":
+        args.observation_labels = "exact" if args.env_id == "twenty_questions" else "cluster"
+    if args.batch_size is None:
+        args.batch_size = 32 if spec["two_player"] else 16
+    if args.max_new_tokens is None:
+        args.max_new_tokens = int(recipe.get("max_new_tokens", 24)) if is_tiny else 128
+    lr = args.learning_rate if args.learning_rate is not None else (5e-4 if is_tiny else 2e-5)
+    train_tasks = list(probe.task_ids("train"))
+    test_tasks = list(probe.task_ids("test"))
+    if args.eval_num_tasks:
+        test_tasks = test_tasks[: args.eval_num_tasks]
+
+    model, tok = load_policy(args.model_name, env_id=args.env_id, tiny_preset=args.tiny_preset,
+                             load_in_4bit=args.load_in_4bit, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
+                             lora_dropout=args.lora_dropout, activation_checkpointing=args.activation_checkpointing)
+    embedder = Embedder(args.embedder, model, tok, args.embed_dim)
+    fingerprint0 = base_fingerprint(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(params, lr=lr)
+
+    run_dir = Path(args.output_dir) / f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    print(f"run dir: {run_dir}")
+    (run_dir / "config.json").write_text(json.dumps({**asdict(args), "resolved_learning_rate": lr,
+                                                     "env_kwargs": env_kwargs,
+                                                     "two_player": spec["two_player"]}, indent=2))
+    logger = Logger(run_dir, args.track)
+
+    def run_eval(it):
+        t0 = time.time()
+        row, records = evaluate(model, tok, spec, test_tasks, args)
+        row["perf/eval_seconds"] = time.time() - t0
+        logger.log_samples(it, records)
+        return row
+
+    first_eval = run_eval(0)
+    logger.log(0, first_eval)
+    last_eval = first_eval
+    print("eval before training: " + ", ".join(f"{k}={v:.3f}" for k, v in first_eval.items() if isinstance(v, float)))
+
+    bar = tqdm(range(1, args.num_iterations + 1), desc="aria" if args.aggregate else "reinforce", dynamic_ncols=True)
+    for it in bar:
+        t0 = time.time()
+        tasks = [train_tasks[i] for i in rng.choice(len(train_tasks), size=args.games_per_iteration,
+                                                    replace=len(train_tasks) < args.games_per_iteration)]
+        if spec["two_player"]:
+            eps = rollout_selfplay(model, tok, spec["make"], tasks, args, args.temperature)
+        else:
+            eps = rollout_single(model, tok, spec["make"], tasks, args, args.temperature)
+        t_roll = time.time() - t0
+
+        # credit: raw discounted returns, and their aggregation in the intention space (always logged)
+        raw, agg, cstats = credit_for_batch(eps, embedder, args)
+        weights = agg if args.aggregate else raw
+        samples, j = [], 0
+        per_ep = []
+        for ep in eps:
+            w_ep = []
+            for s in ep.steps:
+                samples.append({"prompt": s["prompt"], "completion": s["completion"], "weight": float(weights[j]),
+                                "traj": ep.traj_id, "turn": len(w_ep)})
+                w_ep.append((round(float(raw[j]), 4), round(float(weights[j]), 4)))
+                j += 1
+            per_ep.append(w_ep)
+
+        t2 = time.time()
+        ustats = update(model, tok, optimizer, samples, args, rng)
+        t_upd = time.time() - t2
+
+        n_tok = sum(len(s["completion"]) for s in samples)
+        w = np.array([s["weight"] for s in samples]) if samples else np.zeros(0)
+        row = {
+            "charts/success": float(np.mean([ep.success for ep in eps])),
+            "charts/return": float(np.mean([ep.env_return for ep in eps])),
+            "charts/outcome": float(np.mean([r for ep in eps for r in ep.outcome.values()])),
+            "charts/episode_length": float(np.mean([ep.length for ep in eps])),
+            "charts/invalid_rate": float(np.mean([s["invalid"] for ep in eps for s in ep.steps])) if samples else 0.0,
+            "losses/policy_loss": ustats["loss"],
+            "losses/policy_loss_first_epoch": ustats["loss_first_epoch"],
+            "losses/grad_norm": ustats["grad_norm"],
+            "losses/weighted_seq_logp": ustats["weighted_seq_logp"],
+            "losses/optimizer_steps": ustats["optimizer_steps"],
+            "credit/weight_mean": float(w.mean()) if len(w) else 0.0,
+            "credit/weight_nonzero_frac": float((w != 0).mean()) if len(w) else 0.0,
+            **cstats,
+            "perf/rollout_seconds": t_roll,
+            "perf/update_seconds": t_upd,
+            "perf/tokens_per_second": n_tok / max(t_roll, 1e-9),
+            "perf/samples": len(samples),
+        }
+        if spec["two_player"]:
+            for p in probe.players:
+                row[f"charts/selfplay_win_rate_{p}"] = float(np.mean([
+                    ep.payoffs.get(p, 0.0) > max([v for q, v in ep.payoffs.items() if q != p] or [0.0]) + 1e-9
+                    for ep in eps]))
+        if torch.cuda.is_available():
+            row["perf/peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        logger.log_samples(it, [episode_record(ep, "train", per_ep[i]) for i, ep in
+                                enumerate(eps[: args.num_logged_episodes])])
+        if args.eval_every and (it % args.eval_every == 0 or it == args.num_iterations):
+            last_eval = run_eval(it)
+            row.update(last_eval)
+        logger.log(it, row)
+        if args.save_model and args.checkpoint_every and it % args.checkpoint_every == 0:
+            save_adapter(model, run_dir)
+        bar.set_postfix(success=f"{row['charts/success']:.2f}", reward=f"{row['charts/outcome']:.2f}",
+                        loss=f"{ustats['loss']:.3f}", k=cstats["credit/selected_k"])
+    if args.num_iterations and not args.eval_every:
+        last_eval = run_eval(args.num_iterations)
+        logger.log(args.num_iterations, last_eval)
+    if args.save_model:
+        save_adapter(model, run_dir)
+    summary = {
+        "run_dir": str(run_dir),
+        "iterations": args.num_iterations,
+        "wall_seconds": time.time() - t_start,
+        "first_eval": first_eval,
+        "last_eval": last_eval,
+        "base_unchanged": base_fingerprint(model) == fingerprint0,
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print("summary: " + json.dumps({k: v for k, v in summary.items() if k not in ("first_eval", "last_eval")}))
+    for name, ev in (("first", first_eval), ("last", last_eval)):
+        print(f"{name} eval: " + ", ".join(f"{k}={v:.3f}" for k, v in ev.items() if isinstance(v, float)))
+    return summary
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    from common.models import UserError
+
+    try:
+        main(args)
+    except UserError as e:
+        sys.exit(f"error: {e}")
