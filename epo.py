@@ -1,0 +1,1077 @@
+"""EPO: a trained strategist guiding a frozen agent, with process rewards and iterative self-play.
+
+Paper: "EPO: Explicit Policy Optimization for Strategic Reasoning in LLMs via Reinforcement Learning",
+Xiaoqian Liu, Ke Wang, Yongbin Li, Yuchuan Wu, Wentao Ma, Aobo Kong, Fei Huang, Jianbin Jiao, Junge Zhang,
+ACL 2025; https://arxiv.org/abs/2502.12486 ; official code: https://github.com/lxqpku/EPO
+(the method section is reconstructed from the official code: see docs/epo.md, "Reconstruction").
+
+Method. Only a strategist LLM^s (the policy, here one LoRA adapter) is trained. Each turn it writes a
+short strategy ("Strategy: ..." in at most 10 words in a social game; "Thought: ..." for WebShop and
+ALFWorld); a frozen agent LLM^d reads it in its prompt and writes the actual message or action, free to
+ignore it. Each iteration: collect episodes with the current strategist (self-chat in Negotiation: both
+parties have a strategist and an agent), ask a process reward model (PRM) which strategy turns were
+critical, give those reward 1 and the last turn the outcome score (scaled to [0, 1]), turn the discounted
+returns into per-turn weights normalised per trajectory by their largest absolute value, and train the
+strategist for a few epochs on the weighted log-likelihood of its own strategies (token mean within a
+turn, mean over turns): REINFORCE without baseline, KL or clipping. Repeat with the new strategist
+(iterative self-play).
+
+Equations -> functions
+- r_t = 1[t critical]; r_T = S / S_max unless T is critical; G_t = Σ_k γ^(k-t) r_k;
+  A_t = G_t / max_t |G_t|                                                    -> `epo_turn_weights`
+- L(θ) = -(1/T) Σ_t A_t (1/k_t) Σ_i log π_θ(a_{t,i} | context_t, a_{t,<i})  -> `epo_loss`
+- PRM (LLM judge, the paper's appendix prompt; answer {"indexes": [...]})     -> `prm_prompt`, `parse_prm_answer`
+- PRM stand-in: the top-k turns by the env's progress gain                   -> `rule_critical_turns`
+- ablations: --prm none (outcome only), --weights ones (EPO-SFT: every own strategy weighted 1)
+
+Deviations from the paper (its method section is missing from our copy; the official code is followed)
+- Negotiation (envs/negotiation.py, seller vs buyer, 0-10 goal score) instead of SOTOPIA with a GPT-4o
+  evaluator; the frozen agent is the env's strategy-following rule agent (`--agent rule`, default) or the
+  same base model with adapters disabled (`--agent base`), not GPT-4o/GPT-4-Turbo; the PRM is the frozen
+  base model with the paper's prompt (`--prm llm`) or a rule on the env's progress (`--prm rule`, default).
+- The strategist is a LoRA adapter on a 4-bit base (CPU: the tiny strategist built from the env expert's
+  strategies, standing in for round 0's GPT-4-Turbo data), not a full fine-tune of Llama-3-8B.
+Deviations from the official code (lxqpku/EPO @ e363c76)
+- Every iteration collects fresh on-policy episodes and continues training the same adapter (the official
+  configs always start from the base model path; which was used between rounds is not released).
+- Trajectories whose weights are all zero are dropped before training (they give no gradient; the
+  official gradient-accumulation denominator still counts them).
+- The PRM history is `json.dumps` of the conversation (the official code formats the Python dict with
+  `str`), and its indexes are positions in that conversation list, as in the official data.
+
+Example
+    python epo.py                                           # tiny Negotiation, rule agent, rule PRM, CPU
+    python epo.py --prm none                                # outcome only
+    python epo.py --weights ones                            # EPO-SFT ablation
+    python epo.py --model-name Qwen/Qwen2.5-1.5B-Instruct --agent base --prm llm --learning-rate 2e-5
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import inspect
+import json
+import math
+import random
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal, Optional
+
+import numpy as np
+import torch
+import tyro
+from tqdm.auto import tqdm
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. Arguments
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class Args:
+    # experiment
+    exp_name: str = Path(__file__).stem
+    """name of the run (the run directory is {env}__{exp_name}__{seed}__{time})"""
+    seed: int = 1
+    """random seed (python, numpy, torch, task sampling)"""
+    output_dir: str = "runs"
+    """directory under which the run directory is created"""
+    track: bool = False
+    """also log to TensorBoard (only if tensorboard is installed)"""
+    save_model: bool = True
+    """save the LoRA adapter to <run>/adapter at checkpoints and at the end"""
+    checkpoint_every: int = 5
+    """save the adapter every this many iterations (0: only at the end)"""
+    torch_threads: int = 0
+    """CPU threads for torch (0: leave torch's default)"""
+
+    # model
+    model_name: str = "tiny"
+    """'tiny' (the env's tiny strategist), a hub id, or a local directory"""
+    tiny_preset: str = "default"
+    """tiny policy size preset: 'default' or 'micro' (builds in seconds, for tests)"""
+    load_in_4bit: Optional[bool] = None
+    """None: nf4 on CUDA, plain weights on CPU; True forces 4-bit; False never"""
+    lora_r: int = 16
+    """LoRA rank"""
+    lora_alpha: int = 32
+    """LoRA alpha"""
+    lora_dropout: float = 0.0
+    """LoRA dropout"""
+    activation_checkpointing: bool = False
+    """activation checkpointing in the training forward (saves GPU memory on real models)"""
+    max_new_tokens: Optional[int] = None
+    """most tokens per strategy; None: 48 for a real model, 16 for the tiny strategist"""
+    temperature: float = 0.7
+    """sampling temperature of the strategist in the training episodes (official: 0.7)"""
+    eval_temperature: float = 0.7
+    """sampling temperature of the sampled evaluation (greedy is evaluated as well)"""
+
+    # environment
+    env_id: str = "negotiation"
+    """env: negotiation (self-chat, both parties with a strategist), or a single-agent env with --agent base"""
+    history: Optional[int] = None
+    """past moves shown in the prompt; None: the env's (or the tiny recipe's) default"""
+    agent: Literal["rule", "base"] = "rule"
+    """frozen agent: 'rule' (the env's strategy-following rule agent) or 'base' (the base model, adapters off)"""
+    agent_temperature: float = 0.0
+    """sampling temperature of the base agent (0: greedy; official action agent: 0)"""
+    agent_max_new_tokens: Optional[int] = None
+    """most tokens per agent message; None: 128 for a real model, 16 for the tiny model"""
+    train_opponent: str = "self"
+    """training episodes: 'self' (self-chat, both roles learn) or 'rule:<style>' / 'rule:any' (one role learns)"""
+    eval_num_tasks: int = 8
+    """test tasks per evaluation (each played in both roles against every scripted style; 0: all)"""
+    eval_every: int = 1
+    """evaluate every this many iterations (and before training and at the end; 0: only those two)"""
+    eval_selfplay: bool = True
+    """also evaluate self-chat (both roles the strategist) on the test tasks"""
+    num_logged_episodes: int = 4
+    """decoded episodes written to samples.jsonl per evaluation and per iteration"""
+
+    # algorithm
+    num_iterations: int = 5
+    """self-play iterations (collect, PRM, weights, train); the paper reports a plateau after about 5"""
+    episodes_per_iteration: int = 32
+    """games collected per iteration (self-chat: 2 strategist trajectories per game)"""
+    num_epochs: int = 3
+    """training epochs over each iteration's trajectories (official: 3)"""
+    trajectories_per_step: int = 8
+    """trajectories per optimizer step (official: batch 1 x gradient accumulation 8)"""
+    micro_batch_size: int = 32
+    """strategy turns per forward pass"""
+    learning_rate: Optional[float] = None
+    """AdamW learning rate; None: 2e-5 for a real model (LoRA; official full fine-tune 1e-6), 5e-4 tiny"""
+    warmup_ratio: float = 0.03
+    """linear warm-up share of each iteration's steps, then cosine decay to 0 (official)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay (official: 0)"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm (official: 1.0)"""
+    gamma: float = 0.99
+    """γ of the turn returns (official: 0.99)"""
+    prm: Literal["rule", "llm", "none"] = "rule"
+    """process reward: 'rule' (top-k progress gains), 'llm' (frozen base model, paper's prompt), 'none'"""
+    prm_top_k: int = 2
+    """rule PRM: at most this many critical turns per trajectory"""
+    prm_min_gain: float = 1e-6
+    """rule PRM: a turn is critical only if its progress gain exceeds this"""
+    prm_temperature: float = 0.7
+    """LLM PRM sampling temperature (official: 0.7)"""
+    prm_max_new_tokens: Optional[int] = None
+    """LLM PRM answer length; None: 256 for a real model, 32 for the tiny model"""
+    weights: Literal["epo", "ones"] = "epo"
+    """'epo': PRM + outcome returns; 'ones': every own strategy weighted 1 (EPO-SFT ablation)"""
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. Credit assignment (ALGO LOGIC)
+# ----------------------------------------------------------------------------------------------
+def epo_turn_weights(critical, outcome, gamma=0.99):
+    """Per-turn weights A_t of one strategist trajectory of T turns (official EPO rewards).
+
+        r_t = 1 if turn t is critical;  r_T = outcome if the last turn is not critical;  else r_t = 0
+        G_t = Σ_{k>=t} γ^(k-t) r_k
+        A_t = G_t / max_t |G_t|          (all zeros when that max is 0)
+
+    critical: length-T bools (the PRM's critical turns); outcome: the goal score scaled to [0, 1].
+    Returns a float64 array of length T.
+    """
+    c = np.asarray(critical, dtype=bool).reshape(-1)
+    T = len(c)
+    r = c.astype(np.float64)
+    if T and not c[-1]:
+        r[-1] = float(outcome)
+    G = np.zeros(T)
+    acc = 0.0
+    for t in range(T - 1, -1, -1):
+        acc = r[t] + gamma * acc
+        G[t] = acc
+    m = float(np.abs(G).max()) if T else 0.0
+    return G / m if m > 0 else np.zeros(T)
+
+
+def epo_loss(token_logps, mask, turn_weights):
+    """EPO's weighted log-likelihood of one trajectory's T strategy turns.
+
+        L = -(1/T) Σ_t A_t · (Σ_i m_{t,i} log π(a_{t,i}) / Σ_i m_{t,i})
+
+    token_logps, mask: [T, L] (mask 1 on a turn's strategy tokens); turn_weights: [T] (the A_t).
+    A turn without tokens counts as mean 0. Returns a scalar tensor (differentiable in token_logps).
+    """
+    lp = torch.as_tensor(token_logps)
+    m = torch.as_tensor(mask, dtype=lp.dtype, device=lp.device)
+    w = torch.as_tensor(turn_weights, dtype=lp.dtype, device=lp.device)
+    T = lp.shape[0]
+    if T == 0:
+        return lp.sum() * 0.0
+    turn_mean = (lp * m).sum(-1) / m.sum(-1).clamp(min=1.0)
+    return -(w * turn_mean).sum() / T
+
+
+def rule_critical_turns(progress, k=2, min_gain=1e-6):
+    """PRM stand-in: the (at most) k turns with the largest progress gain above `min_gain`.
+
+        gain_t = progress[t + 1] - progress[t]     (progress[t]: before turn t; progress[T]: at the end)
+
+    Ties go to the earlier turn. Returns length-T bools.
+    """
+    p = np.asarray(progress, dtype=np.float64).reshape(-1)
+    T = max(len(p) - 1, 0)
+    crit = np.zeros(T, dtype=bool)
+    if T == 0 or k <= 0:
+        return crit
+    gain = np.diff(p)
+    for t in sorted(range(T), key=lambda i: (-gain[i], i))[:k]:
+        if gain[t] > min_gain:
+            crit[t] = True
+    return crit
+
+
+_JSON_OBJ = re.compile(r"\{.*?\}", re.DOTALL)
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def parse_prm_answer(text, turn_positions):
+    """The PRM's critical turns from its answer: the first `{...}` in `text` (official: re `\\{.*?\\}`,
+    control characters removed) parsed as JSON with a list "indexes" of conversation positions; turn t is
+    critical if its strategy's position turn_positions[t] is listed. Anything malformed (no JSON, no
+    list, non-integers, positions of non-strategy messages) marks nothing: never raises.
+    Returns length-T bools.
+    """
+    crit = [False] * len(turn_positions)
+    if not isinstance(text, str):
+        return crit
+    m = _JSON_OBJ.search(text)
+    if m is None:
+        return crit
+    try:
+        obj = json.loads(_CONTROL.sub("", m.group(0)))
+    except (ValueError, RecursionError):
+        return crit
+    idx = obj.get("indexes") if isinstance(obj, dict) else None
+    if not isinstance(idx, list):
+        return crit
+    where = {int(p): t for t, p in enumerate(turn_positions)}
+    for v in idx:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v != int(v):
+            continue
+        t = where.get(int(v))
+        if t is not None:
+            crit[t] = True
+    return crit
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. Rollout
+# ----------------------------------------------------------------------------------------------
+AGENT_HINT = ("A social expert proposes this strategy for your turn: \"{strategy}\". You may use it, or rely on "
+              "your own reflection.")
+THOUGHT_HINT = "A guide suggests: \"{strategy}\". You may use it, or rely on your own reflection."
+STRATEGIST_SYSTEM = (
+    "You are a social expert advising {player} in a negotiation. {player} writes the actual messages; you give "
+    "{player} one strategy for the next message, at most 10 words, as `Strategy: <strategy>` inside "
+    "<action>...</action>. What {player} was told:\n{context}")
+THOUGHT_SYSTEM = (
+    "You are a guide for an agent acting in a text environment. Each turn, analyse the situation and give one "
+    "or two sentences that help the agent choose its next action, as `Thought: <your thoughts>` inside "
+    "<action>...</action>. The agent's instructions:\n{context}")
+THOUGHT_FOOTER = "Give your guidance for the agent's next action: Thought: <one or two sentences>."
+
+PRM_SOCIAL = (
+    "Here's a conversation in JSON format between {a1} and {a2}:\n"
+    "In the first response from \"human\", you can find the context of the conversation and {a1}'s goal.\n"
+    "In the other responses from \"human\", you can find the conversation history between {a1} and {a2}.\n"
+    "In the responses from \"gpt\", you can find communication and social strategies that {a1} used for "
+    "achieving {a1}'s goal.\n"
+    "In the \"score\" field, you can find a score for evaluating {a1}'s goal achievement. The score ranges from 0 "
+    "and 10. 0 represents minimal goals achievement, 10 represents complete goal achievement, and a higher score "
+    "indicates that {a1} is making progress towards the goal.\n\n{history}\n\n"
+    "Your task is to select top strategies {a1} used that were critically important for achieving {a1}'s goal.\n\n"
+    "Please output the selected round indexes and the reasoning process that led you to the selection in JSON "
+    "format like this: {{\"indexes\": , \"reasoning\": \"\"}}.\n"
+    "Here is the output schema: {{\"properties\": {{\"indexes\": {{\"description\": \"the selected top strategies "
+    "that are critically important for achieving {a1}'s goal\", \"title\": \"indexes\", \"type\": "
+    "\"list(integer)\"}}, \"reasoning\": {{\"description\": \"the reasoning process why you select these "
+    "strategies\", \"title\": \"reasoning\", \"type\": \"string\"}}}}, \"required\": [\"indexes\", \"reasoning\"]}}.")
+PRM_TASK = (
+    "Here's a conversation in JSON format between human and gpt.\n"
+    "In the first response from \"human\", you can find the {what} for gpt and Agent to {verb}.\n"
+    "In the responses from \"gpt\", you can find thoughts that gpt provides for helping Agent to {verb} the {goal}.\n"
+    "In the other responses from \"human\", you can find the trajectories of Agent's actions and the resulting "
+    "observations from the environment.\n\n"
+    "In the \"score\" field, you can find a score evaluating the goal achievement. The score ranges from 0 and 1. "
+    "0 represents minimal goals achievement, 1 represents complete goal achievement.\n\n{history}\n\n"
+    "Your task is to select top thoughts gpt produced that were critically important for {verb_ing} the {goal}.\n\n"
+    "Please output the selected round indexes and the reasoning process that led you to the selection in JSON "
+    "format like this: {{\"indexes\": , \"reasoning\": \"\"}}.\n"
+    "Here is the output schema: {{\"properties\": {{\"indexes\": {{\"description\": \"the selected top thoughts "
+    "that are critically important for {verb_ing} the {goal}\", \"title\": \"indexes\", \"type\": "
+    "\"list(integer)\"}}, \"reasoning\": {{\"description\": \"the reasoning process why you select these "
+    "thoughts\", \"title\": \"reasoning\", \"type\": \"string\"}}}}, \"required\": [\"indexes\", \"reasoning\"]}}.")
+PRM_TASK_WORDS = {
+    "webshop": dict(what="shopping goal", verb="achieve", verb_ing="achieving", goal="shopping goal"),
+    "alfworld": dict(what="initial environment observation and a household task", verb="accomplish",
+                     verb_ing="accomplishing", goal="household task"),
+}
+OUTCOME_FROM_REWARD = ("webshop",)  # single-agent envs whose outcome is the final reward in [0, 1]
+
+
+@dataclass
+class Trajectory:
+    """One strategist's turns in one game, and what the credit functions need."""
+
+    traj_id: int
+    game_id: int
+    task_id: str
+    player: str
+    opponent: str  # "self" or a scripted style ("" for single-agent envs)
+    prompts: list = field(default_factory=list)  # per turn: strategist prompt ids (as rendered at sampling)
+    completions: list = field(default_factory=list)  # per turn: generated ids (EOS included if emitted)
+    strategies: list = field(default_factory=list)  # per turn: the strategy text
+    views: list = field(default_factory=list)  # per turn: the strategist's user message (for the PRM)
+    moves: list = field(default_factory=list)  # per turn: what the agent sent
+    invalid: list = field(default_factory=list)
+    understood: list = field(default_factory=list)  # the rule agent recognised the strategy
+    progress: list = field(default_factory=list)  # before each turn, then the final value (T + 1 values)
+    outcome: float = 0.0  # goal score scaled to [0, 1]
+    score: float = 0.0  # goal score on the env's scale (Negotiation 0-10)
+    env_return: float = 0.0
+    won: bool = False
+    deal: bool = False
+    context: str = ""  # the goal / background shown to the PRM
+    critical: list = field(default_factory=list)
+    weights: list = field(default_factory=list)
+    prm_answer: str = ""
+
+    @property
+    def length(self) -> int:
+        return len(self.strategies)
+
+
+def render_prompt(tok, messages) -> str:
+    """The sampling-time prompt: the chat template with the generation prompt, as text."""
+    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def encode(tok, text: str) -> list:
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def with_user_suffix(messages, suffix):
+    """A copy of chat messages with `suffix` appended (on a new line) to the last user message."""
+    out = [dict(m) for m in messages]
+    for m in reversed(out):
+        if m["role"] == "user":
+            m["content"] = f"{m['content']}\n{suffix}"
+            break
+    return out
+
+
+@contextlib.contextmanager
+def utterance_moves(env):
+    """Temporarily read the env's messages as moves (not strategies): what the base agent writes and sees."""
+    old = getattr(env, "moves_mode", None)
+    if old is not None:
+        env.moves_mode = "utterance"
+    try:
+        yield
+    finally:
+        if old is not None:
+            env.moves_mode = old
+
+
+class Duel:
+    """A two-player game (Negotiation): `seats` maps each player to "policy" or a scripted style."""
+
+    def __init__(self, env, task_id, seats, real_model):
+        self.env, self.seats, self.real = env, dict(seats), real_model
+        env.reset(task_id)
+        self.players = tuple(env.players)
+
+    @property
+    def done(self):
+        return self.env.done
+
+    def current(self):
+        return self.env.current_player
+
+    def context(self, player):
+        return self.env.system_prompt_for(player).split("\nMoves:")[0]
+
+    def strategist_messages(self, player):
+        msgs = self.env.observe(player)
+        if self.real:  # an instruct strategist: the game, and that it advises rather than plays
+            msgs = [{"role": "system", "content": STRATEGIST_SYSTEM.format(player=player, context=self.context(player))},
+                    *msgs[1:]]
+        return msgs
+
+    def agent_messages(self, player, strategy):
+        with utterance_moves(self.env):
+            return with_user_suffix(self.env.observe(player), AGENT_HINT.format(strategy=strategy))
+
+    def rule_move(self, player, strategy):
+        return self.env.rule_agent_action(player, strategy)
+
+    def understood(self, strategy):
+        intent = getattr(sys.modules.get(type(self.env).__module__), "strategy_intent", None)
+        return bool(intent(strategy) is not None) if callable(intent) else True
+
+    def step(self, text, utterance):
+        with (utterance_moves(self.env) if utterance else contextlib.nullcontext()):
+            return self.env.step(text)
+
+    def scripted_step(self, player):
+        return self.env.step(self.env.scripted_action(player, self.seats[player]))
+
+    def result(self, player):
+        """(outcome in [0, 1], score on the env's scale, env return, won, deal)."""
+        env = self.env
+        deal = getattr(env, "deal_round", None) is not None
+        score = float(env.scores()[player]) if hasattr(env, "scores") else 10.0 * float(env.progress(player))
+        return score / 10.0, score, float(env.payoffs()[player]), env.winner() == player, deal
+
+
+class Solo:
+    """A single-agent env (WebShop, ALFWorld, ...): the strategist writes thoughts for the agent."""
+
+    def __init__(self, env, task_id, real_model):
+        self.env, self.real, self.players, self.seats = env, real_model, ("agent",), {"agent": "policy"}
+        env.reset(task_id)
+        self.total, self.last_info = 0.0, {}
+
+    @property
+    def done(self):
+        return self.env.done
+
+    def current(self):
+        return "agent"
+
+    def context(self, player):
+        return self.env.system_prompt
+
+    def strategist_messages(self, player):
+        msgs = with_user_suffix(self.env.messages(), THOUGHT_FOOTER)
+        return [{"role": "system", "content": THOUGHT_SYSTEM.format(context=self.env.system_prompt)}, *msgs[1:]]
+
+    def agent_messages(self, player, strategy):
+        return with_user_suffix(self.env.messages(), THOUGHT_HINT.format(strategy=strategy))
+
+    def rule_move(self, player, strategy):
+        return self.env.rule_agent_action(strategy)
+
+    def understood(self, strategy):
+        return True
+
+    def step(self, text, utterance):
+        st = self.env.step(text)
+        self.total += float(st.reward)
+        self.last_info = st.info
+        return st
+
+    def result(self, player):
+        ok = bool(self.last_info.get("success", False))
+        outcome = min(1.0, max(0.0, self.total)) if self.env.env_id in OUTCOME_FROM_REWARD else float(ok)
+        return outcome, outcome, self.total, ok, ok
+
+
+@torch.no_grad()
+def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False):
+    """One batched generate (left padding, top_k=0, top_p=1, stop at EOS). Returns completion id lists."""
+    if not prompt_ids:
+        return []
+    device = next(model.parameters()).device
+    pad = tok.pad_token_id
+    L = max(len(p) for p in prompt_ids)
+    input_ids = torch.full((len(prompt_ids), L), pad, dtype=torch.long)
+    attn = torch.zeros((len(prompt_ids), L), dtype=torch.long)
+    for i, p in enumerate(prompt_ids):
+        input_ids[i, L - len(p):] = torch.tensor(p)
+        attn[i, L - len(p):] = 1
+    kw = dict(do_sample=False) if greedy or temperature <= 0 else dict(do_sample=True, temperature=temperature,
+                                                                      top_k=0, top_p=1.0)
+    out = model.generate(input_ids=input_ids.to(device), attention_mask=attn.to(device), max_new_tokens=max_new_tokens,
+                         pad_token_id=pad, eos_token_id=tok.eos_token_id, **kw)
+    comps = []
+    for row in out[:, L:].tolist():
+        if tok.eos_token_id in row:
+            row = row[: row.index(tok.eos_token_id) + 1]
+        comps.append(row)
+    return comps
+
+
+def decode(tok, ids) -> str:
+    return tok.decode(ids, skip_special_tokens=True)
+
+
+def strategy_of(text: str) -> str:
+    """The strategy inside a strategist's raw output (`<action>` tags stripped, at most 200 characters)."""
+    from envs import extract_action
+
+    s = extract_action(text)
+    return s if len(s) <= 200 else s[:200]
+
+
+def play(model, tok, games, args, temperature, greedy=False, first_traj_id=0):
+    """Play every game to the end, all stepped together: per round, one batched strategist `generate` for
+    every game whose current player is a policy seat (and, for `--agent base`, one batched agent
+    `generate` with the adapter disabled). Scripted seats move in between. Returns one Trajectory per
+    (game, policy seat), in game order."""
+    trajs = {}
+    for g, game in enumerate(games):
+        for p in game.players:
+            if game.seats.get(p) == "policy":
+                others = [game.seats[q] for q in game.players if q != p]
+                opp = "" if not others else ("self" if others[0] == "policy" else others[0])
+                trajs[(g, p)] = Trajectory(first_traj_id + len(trajs), g, str(game.env.task_id), p, opp,
+                                           context=game.context(p))
+    prog = [{p: 0.0 for p in game.players} for game in games]
+
+    def note(g, player, st):
+        if "progress_by_player" in st.info:
+            prog[g].update({q: float(v) for q, v in st.info["progress_by_player"].items() if q in prog[g]})
+        elif "progress" in st.info:
+            prog[g][player] = float(st.info["progress"])
+
+    model.eval()
+    for _ in range(10_000):  # every game ends (max turns / invalid streaks); this only bounds a bug
+        for g, game in enumerate(games):  # scripted seats move until a policy seat is to act
+            while not game.done and game.seats[game.current()] != "policy":
+                p = game.current()
+                note(g, p, game.scripted_step(p))
+        live = [g for g, game in enumerate(games) if not game.done]
+        if not live:
+            break
+        who = [games[g].current() for g in live]
+        msgs = [games[g].strategist_messages(p) for g, p in zip(live, who)]
+        prompts = [encode(tok, render_prompt(tok, m)) for m in msgs]
+        comps = generate(model, tok, prompts, temperature, args.max_new_tokens, greedy)
+        strategies = [strategy_of(decode(tok, c)) for c in comps]
+        if args.agent == "rule":
+            moves = [games[g].rule_move(p, s) for g, p, s in zip(live, who, strategies)]
+        else:
+            agent_prompts = [encode(tok, render_prompt(tok, games[g].agent_messages(p, s)))
+                             for g, p, s in zip(live, who, strategies)]
+            with model.disable_adapter():
+                acomps = generate(model, tok, agent_prompts, args.agent_temperature, args.agent_max_new_tokens)
+            moves = [decode(tok, c) for c in acomps]
+        for k, (g, p) in enumerate(zip(live, who)):
+            tr = trajs[(g, p)]
+            tr.prompts.append(prompts[k])
+            tr.completions.append(comps[k])
+            tr.strategies.append(strategies[k])
+            tr.views.append(msgs[k][-1]["content"])
+            tr.progress.append(prog[g][p])
+            tr.understood.append(games[g].understood(strategies[k]))
+            st = games[g].step(moves[k], utterance=args.agent == "base")
+            tr.moves.append(moves[k] if len(moves[k]) <= 200 else moves[k][:200])
+            tr.invalid.append(bool(st.info.get("invalid", False)))
+            note(g, p, st)
+    out = []
+    for (g, p), tr in trajs.items():
+        tr.progress.append(prog[g][p])
+        tr.outcome, tr.score, tr.env_return, tr.won, tr.deal = games[g].result(p)
+        out.append(tr)
+    return out
+
+
+def prm_prompt(tr: Trajectory, env_id: str, two_player: bool, other: str = ""):
+    """The paper's PRM prompt for one trajectory, and the conversation position of each strategy turn.
+
+    The conversation is the strategist's chat: human = what it saw (the first one with the context and
+    goal), gpt = its strategy; each entry carries its position "index" (official data format).
+    """
+    conv = []
+    for t, (view, strategy) in enumerate(zip(tr.views, tr.strategies)):
+        human = f"{tr.context}\n{view}" if t == 0 else view
+        conv.append({"from": "human", "value": human, "index": len(conv)})
+        conv.append({"from": "gpt", "value": strategy, "index": len(conv)})
+    positions = [2 * t + 1 for t in range(tr.length)]
+    history = json.dumps({"conversations": conv, "score": round(tr.score, 2)}, ensure_ascii=False)
+    if two_player:
+        text = PRM_SOCIAL.format(a1=tr.player, a2=other or "the other party", history=history)
+    else:
+        words = PRM_TASK_WORDS.get(env_id, dict(what="task", verb="accomplish", verb_ing="accomplishing", goal="task"))
+        text = PRM_TASK.format(history=history, **words)
+    return text, positions
+
+
+def llm_prm(model, tok, trajs, args, env_id, two_player, players):
+    """Ask the frozen base model (adapters disabled) for each trajectory's critical turns.
+    Returns (critical lists, answers, parse failures)."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    prompts, positions = [], []
+    for tr in trajs:
+        other = [p for p in players if p != tr.player]
+        text, pos = prm_prompt(tr, env_id, two_player, other[0] if other else "")
+        ids = encode(tok, render_prompt(tok, [{"role": "user", "content": text}]))
+        if limit and len(ids) > limit - args.prm_max_new_tokens:  # keep the end: the task and the schema
+            ids = ids[len(ids) - (limit - args.prm_max_new_tokens):]
+        prompts.append(ids)
+        positions.append(pos)
+    answers = []
+    model.eval()
+    for s in range(0, len(prompts), args.micro_batch_size):
+        with model.disable_adapter():
+            comps = generate(model, tok, prompts[s:s + args.micro_batch_size], args.prm_temperature,
+                             args.prm_max_new_tokens)
+        answers += [decode(tok, c) for c in comps]
+    crits = [parse_prm_answer(a, pos) for a, pos in zip(answers, positions)]
+    fails = sum(1 for a in answers if not _prm_answer_ok(a))
+    return crits, answers, fails
+
+
+def _prm_answer_ok(text) -> bool:
+    m = _JSON_OBJ.search(text or "")
+    if not m:
+        return False
+    try:
+        obj = json.loads(_CONTROL.sub("", m.group(0)))
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(obj, dict) and isinstance(obj.get("indexes"), list)
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. Log-probs and loss
+# ----------------------------------------------------------------------------------------------
+def completion_logprobs(model, tok, prompt_ids, completion_ids):
+    """Per-token log-probs of the completions given the prompts, one left-padded forward.
+
+    Returns (logp [B, C_max], mask [B, C_max]); completions are right-aligned (row i's tokens are the
+    last len(completion_i) columns). Only the last C_max + 1 positions' logits are computed
+    (`logits_to_keep`), and log p = logit[token] - logsumexp(logits) (no full log-softmax).
+    """
+    device = next(model.parameters()).device
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    seqs = [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids)]
+    L = max(len(s) for s in seqs)
+    C = max(len(c) for c in completion_ids)
+    input_ids = torch.full((len(seqs), L), pad, dtype=torch.long)
+    attn = torch.zeros((len(seqs), L), dtype=torch.long)
+    cmask = torch.zeros((len(seqs), C), dtype=torch.float32)
+    for i, (s, c) in enumerate(zip(seqs, completion_ids)):
+        input_ids[i, L - len(s):] = torch.tensor(s)
+        attn[i, L - len(s):] = 1
+        cmask[i, C - len(c):] = 1.0
+    input_ids, attn, cmask = input_ids.to(device), attn.to(device), cmask.to(device)
+    position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids,
+                   logits_to_keep=C + 1).logits[:, :-1].float()
+    targets = input_ids[:, L - C:]
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    return logp * cmask, cmask
+
+
+def lr_factor(step, total, warmup_ratio):
+    """Linear warm-up over warmup_ratio * total steps, then cosine decay to 0 (LLaMA-Factory's schedule)."""
+    warm = max(1, math.ceil(warmup_ratio * total)) if warmup_ratio > 0 else 0
+    if step < warm:
+        return (step + 1) / warm
+    return 0.5 * (1.0 + math.cos(math.pi * (step - warm) / max(1, total - warm)))
+
+
+def train_strategist(model, tok, trajs, args, lr, rng):
+    """`num_epochs` passes over the trajectories (those with a non-zero weight), `trajectories_per_step`
+    per optimizer step; the step's loss is the mean of `epo_loss` over its trajectories. Turns go through
+    the model in micro-batches of `micro_batch_size`; a trajectory split across micro-batches contributes
+    (|S| / T) * epo_loss(its turns S) from each, which sums to its full `epo_loss`."""
+    data = [tr for tr in trajs if tr.length and np.abs(np.asarray(tr.weights)).max() > 0]
+    stats = {"loss": [], "grad_norm": [], "epoch_loss": [], "steps": 0, "trained_trajectories": len(data)}
+    if not data:
+        return stats
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
+    per = max(1, args.trajectories_per_step)
+    steps_per_epoch = math.ceil(len(data) / per)
+    total = steps_per_epoch * args.num_epochs
+    step = 0
+    model.train()
+    for _ in range(args.num_epochs):
+        order = rng.permutation(len(data))
+        epoch_losses = []
+        for s in range(0, len(order), per):
+            batch = [data[i] for i in order[s:s + per]]
+            turns = [(j, t) for j, tr in enumerate(batch) for t in range(tr.length)]
+            for group in optimizer.param_groups:
+                group["lr"] = lr * lr_factor(step, total, args.warmup_ratio)
+            optimizer.zero_grad(set_to_none=True)
+            loss_sum = 0.0
+            for c in range(0, len(turns), args.micro_batch_size):
+                chunk = turns[c:c + args.micro_batch_size]
+                lp, mask = completion_logprobs(model, tok, [batch[j].prompts[t] for j, t in chunk],
+                                               [batch[j].completions[t] for j, t in chunk])
+                loss = lp.sum() * 0.0
+                for j in sorted({j for j, _ in chunk}):
+                    rows = [r for r, (jj, _) in enumerate(chunk) if jj == j]
+                    w = torch.tensor([batch[j].weights[chunk[r][1]] for r in rows], dtype=lp.dtype, device=lp.device)
+                    T = batch[j].length
+                    loss = loss + (len(rows) / T) * epo_loss(lp[rows], mask[rows], w) / len(batch)
+                loss.backward()
+                loss_sum += float(loss.detach())
+            gn = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+            optimizer.step()
+            step += 1
+            stats["loss"].append(loss_sum)
+            stats["grad_norm"].append(float(gn))
+            epoch_losses.append(loss_sum)
+        stats["epoch_loss"].append(float(np.mean(epoch_losses)))
+    stats["steps"] = step
+    model.eval()
+    return stats
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. Evaluation, logging and checkpoints
+# ----------------------------------------------------------------------------------------------
+def trajectory_stats(trajs, prefix=""):
+    """Goal score (env scale), deal rate, win rate, outcome (return in [0, 1]), turns, invalid and
+    not-understood rates of a list of trajectories."""
+    if not trajs:
+        return {}
+    n_turns = sum(tr.length for tr in trajs)
+    return {
+        f"{prefix}goal_score": float(np.mean([tr.score for tr in trajs])),
+        f"{prefix}deal_rate": float(np.mean([tr.deal for tr in trajs])),
+        f"{prefix}win_rate": float(np.mean([tr.won for tr in trajs])),
+        f"{prefix}outcome": float(np.mean([tr.outcome for tr in trajs])),
+        f"{prefix}env_return": float(np.mean([tr.env_return for tr in trajs])),
+        f"{prefix}episode_length": float(np.mean([tr.length for tr in trajs])),
+        f"{prefix}invalid_rate": float(sum(sum(tr.invalid) for tr in trajs) / max(n_turns, 1)),
+        f"{prefix}strategy_understood_rate": float(sum(sum(tr.understood) for tr in trajs) / max(n_turns, 1)),
+    }
+
+
+def episode_record(tr: Trajectory, tag: str) -> dict:
+    turns = []
+    for t in range(tr.length):
+        turns.append({"strategy": tr.strategies[t], "move": tr.moves[t], "invalid": tr.invalid[t],
+                      "progress_before": tr.progress[t],
+                      "critical": bool(tr.critical[t]) if len(tr.critical) > t else None,
+                      "weight": float(tr.weights[t]) if len(tr.weights) > t else None})
+    rec = {"tag": tag, "task": tr.task_id, "player": tr.player, "opponent": tr.opponent, "score": tr.score,
+           "deal": tr.deal, "won": tr.won, "final_progress": tr.progress[-1] if tr.progress else None, "turns": turns}
+    if tr.prm_answer:
+        rec["prm_answer"] = tr.prm_answer[:500]
+    return rec
+
+
+def evaluate(model, tok, make_game, tasks, players, styles, args):
+    """Two-player: each test task in each role against every scripted style (sampled at eval_temperature
+    and greedy), plus self-chat; single-agent: each test task (sampled and greedy). Returns (row, records)."""
+    row, records = {}, []
+    if styles:
+        specs = [(task, role, style) for style in styles for role in players for task in tasks]
+
+        def build():
+            return [make_game(task, {role: "policy", **{q: style for q in players if q != role}})
+                    for task, role, style in specs]
+    else:
+        specs = [(task, "agent", "") for task in tasks]
+
+        def build():
+            return [make_game(task, {"agent": "policy"}) for task, _, _ in specs]
+    sampled = play(model, tok, build(), args, args.eval_temperature)
+    greedy = play(model, tok, build(), args, 0.0, greedy=True)
+    for key, v in trajectory_stats(sampled).items():
+        row[f"eval/{key}"] = v
+    row["eval/success"] = row["eval/win_rate"]
+    row["eval/return"] = row["eval/outcome"]
+    gstats = trajectory_stats(greedy)
+    row["eval/success_greedy"] = gstats["win_rate"]
+    row["eval/goal_score_greedy"] = gstats["goal_score"]
+    row["eval/deal_rate_greedy"] = gstats["deal_rate"]
+    for style in styles:
+        for role in players:
+            sub = [tr for tr in sampled if tr.opponent == style and tr.player == role]
+            for key in ("goal_score", "deal_rate", "win_rate"):
+                row[f"eval/vs_{style}/{role}/{key}"] = trajectory_stats(sub)[key]
+    records += [episode_record(tr, "eval_sampled") for tr in sampled[: args.num_logged_episodes]]
+    if styles and args.eval_selfplay:
+        sp = play(model, tok, [make_game(task, {p: "policy" for p in players}) for task in tasks], args,
+                  args.eval_temperature)
+        for key, v in trajectory_stats(sp).items():
+            if key in ("goal_score", "deal_rate", "episode_length"):
+                row[f"eval/selfplay_{key}"] = v
+        records += [episode_record(tr, "eval_selfplay") for tr in sp[:2]]
+    return row, records
+
+
+def base_fingerprint(model) -> str:
+    """sha256 over every non-LoRA parameter's bytes (must not change during training)."""
+    h = hashlib.sha256()
+    for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        if "lora_" in name:
+            continue
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+class Logger:
+    def __init__(self, run_dir: Path, track: bool):
+        self.f = open(run_dir / "metrics.jsonl", "a")
+        self.samples = open(run_dir / "samples.jsonl", "a")
+        self.tb = None
+        if track:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self.tb = SummaryWriter(str(run_dir / "tb"))
+            except Exception:  # noqa: BLE001 - optional extra
+                print("--track: tensorboard is not installed; logging to metrics.jsonl only")
+
+    def log(self, it: int, row: dict):
+        self.f.write(json.dumps({"iteration": it, **row}) + "\n")
+        self.f.flush()
+        if self.tb:
+            for k, v in row.items():
+                if isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, it)
+
+    def log_samples(self, it: int, records: list):
+        for r in records:
+            self.samples.write(json.dumps({"iteration": it, **r}) + "\n")
+        self.samples.flush()
+
+
+def save_adapter(model, run_dir: Path):
+    model.save_pretrained(str(run_dir / "adapter"))
+
+
+# ----------------------------------------------------------------------------------------------
+# 6. Main loop
+# ----------------------------------------------------------------------------------------------
+def env_takes(env_id, option) -> bool:
+    """Whether the env's constructor has the keyword `option` (e.g. Negotiation's `moves`)."""
+    import importlib
+
+    import envs
+
+    module, name = envs.REGISTRY[env_id].split(":")
+    return option in inspect.signature(getattr(importlib.import_module(module), name).__init__).parameters
+
+
+def setup_env(args, is_tiny_name):
+    """-> (tiny overrides, env kwargs, make_game(task, seats, real), probe env, two_player). User errors -> UserError."""
+    import envs
+    from common.models import UserError
+
+    if args.env_id not in envs.available():
+        raise UserError(f"env {args.env_id!r} is not available in this checkout; available env ids: "
+                        f"{', '.join(envs.available())}")
+    two_player = args.env_id in envs.TWO_PLAYER
+    strategy_moves = env_takes(args.env_id, "moves")
+    overrides = {"env_kwargs": {"moves": "strategy"}} if strategy_moves else None
+    env_kwargs = {}
+    if is_tiny_name:
+        from common.tiny import full_recipe
+
+        try:
+            env_kwargs = dict(full_recipe(args.env_id, args.tiny_preset, overrides).get("env_kwargs") or {})
+        except ValueError as e:
+            raise UserError(f"tiny policy: {e}") from None
+    else:
+        meta = Path(args.model_name) / "tiny_meta.json"
+        if meta.is_file():
+            recipe = json.loads(meta.read_text()).get("recipe") or {}
+            if recipe.get("env_id", args.env_id) == args.env_id:
+                env_kwargs = dict(recipe.get("env_kwargs") or {})
+    if strategy_moves:
+        env_kwargs["moves"] = "strategy"
+    if args.history is not None:
+        env_kwargs["history"] = args.history
+    try:
+        probe = envs.make(args.env_id, **env_kwargs)
+        probe.reset(probe.task_ids("test")[0])
+    except ValueError as e:
+        raise UserError(f"env {args.env_id!r}: {e}") from None
+    if args.agent == "rule" and not hasattr(probe, "rule_agent_action"):
+        raise UserError(f"--agent rule needs an env with a strategy-following rule agent (negotiation); "
+                        f"{args.env_id!r} has none: use --agent base")
+    if not two_player and args.train_opponent != "self":
+        raise UserError("--train-opponent applies to two-player games only")
+
+    def make_game(task, seats, real):
+        env = envs.make(args.env_id, **env_kwargs)
+        return Duel(env, task, seats, real) if two_player else Solo(env, task, real)
+
+    return overrides, env_kwargs, make_game, probe, two_player
+
+
+def main(args: Args):
+    from common.models import UserError, load_policy
+
+    t_start = time.time()
+    if args.torch_threads > 0:
+        torch.set_num_threads(args.torch_threads)
+    if args.num_iterations < 0 or args.episodes_per_iteration < 1 or args.num_epochs < 1:
+        raise UserError("--num-iterations must be >= 0, --episodes-per-iteration and --num-epochs >= 1")
+    if not 0.0 < args.gamma <= 1.0:
+        raise UserError("--gamma must be in (0, 1]")
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    rng = np.random.default_rng(args.seed)
+
+    is_tiny = args.model_name == "tiny" or (Path(args.model_name) / "tiny_meta.json").is_file()
+    overrides, env_kwargs, make_game_, probe, two_player = setup_env(args, args.model_name == "tiny")
+    players = list(probe.players) if two_player else ["agent"]
+    styles = list(probe.opponent_styles()) if two_player else []
+    if args.train_opponent != "self":
+        style = args.train_opponent.split(":", 1)[1] if args.train_opponent.startswith("rule:") else None
+        if style is None or (style != "any" and style not in styles):
+            raise UserError(f"--train-opponent must be 'self', 'rule:any' or 'rule:<style>' with a style in "
+                            f"{', '.join(styles)}; got {args.train_opponent!r}")
+    if args.max_new_tokens is None:
+        args.max_new_tokens = 16 if is_tiny else 48
+    if args.agent_max_new_tokens is None:
+        args.agent_max_new_tokens = 16 if is_tiny else 128
+    if args.prm_max_new_tokens is None:
+        args.prm_max_new_tokens = 32 if is_tiny else 256
+    train_tasks = list(probe.task_ids("train"))
+    test_tasks = list(probe.task_ids("test"))
+    if args.eval_num_tasks:
+        test_tasks = test_tasks[: args.eval_num_tasks]
+
+    lr = args.learning_rate if args.learning_rate is not None else (5e-4 if is_tiny else 2e-5)
+    model, tok = load_policy(args.model_name, env_id=args.env_id, tiny_preset=args.tiny_preset,
+                             load_in_4bit=args.load_in_4bit, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
+                             lora_dropout=args.lora_dropout, activation_checkpointing=args.activation_checkpointing,
+                             tiny_overrides=overrides if args.model_name == "tiny" else None)
+    fingerprint0 = base_fingerprint(model)
+
+    def make_game(task, seats):
+        return make_game_(task, seats, not is_tiny)
+
+    run_dir = Path(args.output_dir) / f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    print(f"run dir: {run_dir}")
+    (run_dir / "config.json").write_text(json.dumps({**asdict(args), "resolved_learning_rate": lr,
+                                                     "env_kwargs": env_kwargs}, indent=2))
+    logger = Logger(run_dir, args.track)
+
+    def run_eval(it):
+        t0 = time.time()
+        row, records = evaluate(model, tok, make_game, test_tasks, players, styles, args)
+        row["perf/eval_seconds"] = time.time() - t0
+        logger.log_samples(it, records)
+        return row
+
+    first_eval = run_eval(0)
+    logger.log(0, first_eval)
+    last_eval = first_eval
+    history = [{"iteration": 0, **{k: v for k, v in first_eval.items() if k.startswith("eval/") and "/vs_" not in k}}]
+    print("eval before training: " + ", ".join(f"{k}={v:.3f}" for k, v in first_eval.items() if "/vs_" not in k))
+
+    bar = tqdm(range(1, args.num_iterations + 1), desc="epo", dynamic_ncols=True)
+    next_id = 0
+    for it in bar:
+        row = {}
+        t0 = time.time()
+        pick = rng.choice(len(train_tasks), size=args.episodes_per_iteration,
+                          replace=len(train_tasks) < args.episodes_per_iteration)
+        games = []
+        for n, i in enumerate(pick):
+            if not two_player:
+                seats = {"agent": "policy"}
+            elif args.train_opponent == "self":
+                seats = {p: "policy" for p in players}
+            else:
+                style = args.train_opponent.split(":", 1)[1]
+                style = styles[int(rng.integers(len(styles)))] if style == "any" else style
+                role = players[n % len(players)]
+                seats = {p: ("policy" if p == role else style) for p in players}
+            games.append(make_game(train_tasks[int(i)], seats))
+        trajs = play(model, tok, games, args, args.temperature, first_traj_id=next_id)
+        next_id += len(trajs)
+        t_roll = time.time() - t0
+
+        # process rewards -> critical turns -> per-turn weights
+        t1 = time.time()
+        prm_fails = 0
+        if args.prm == "llm":
+            crits, answers, prm_fails = llm_prm(model, tok, trajs, args, args.env_id, two_player, players)
+            for tr, c, a in zip(trajs, crits, answers):
+                tr.critical, tr.prm_answer = c, a
+        for tr in trajs:
+            if args.prm == "rule":
+                tr.critical = rule_critical_turns(tr.progress, args.prm_top_k, args.prm_min_gain).tolist()
+            elif args.prm == "none":
+                tr.critical = [False] * tr.length
+            if args.weights == "ones":
+                tr.weights = [1.0] * tr.length
+            else:
+                tr.weights = epo_turn_weights(tr.critical, tr.outcome, args.gamma).tolist()
+        t_prm = time.time() - t1
+
+        t2 = time.time()
+        ustats = train_strategist(model, tok, trajs, args, lr, rng)
+        t_upd = time.time() - t2
+
+        all_w = np.concatenate([np.asarray(tr.weights, dtype=float) for tr in trajs if tr.length]) if trajs else np.zeros(0)
+        n_turns = sum(tr.length for tr in trajs)
+        for key, v in trajectory_stats(trajs).items():
+            row[f"charts/{key}"] = v
+        row.update({
+            "charts/success": row.get("charts/win_rate", 0.0),
+            "charts/return": row.get("charts/outcome", 0.0),
+            "losses/policy_loss": float(np.mean(ustats["loss"])) if ustats["loss"] else 0.0,
+            "losses/policy_loss_first_epoch": ustats["epoch_loss"][0] if ustats["epoch_loss"] else 0.0,
+            "losses/policy_loss_last_epoch": ustats["epoch_loss"][-1] if ustats["epoch_loss"] else 0.0,
+            "losses/grad_norm": float(np.mean(ustats["grad_norm"])) if ustats["grad_norm"] else 0.0,
+            "losses/optimizer_steps": ustats["steps"],
+            "credit/critical_frac": float(sum(sum(tr.critical) for tr in trajs) / max(n_turns, 1)),
+            "credit/weight_mean": float(all_w.mean()) if len(all_w) else 0.0,
+            "credit/zero_weight_traj_frac": 1.0 - ustats["trained_trajectories"] / max(len(trajs), 1),
+            "credit/outcome_mean": float(np.mean([tr.outcome for tr in trajs])) if trajs else 0.0,
+            "perf/rollout_seconds": t_roll,
+            "perf/prm_seconds": t_prm,
+            "perf/update_seconds": t_upd,
+            "perf/tokens_per_second": sum(len(c) for tr in trajs for c in tr.completions) / max(t_roll, 1e-9),
+            "perf/samples": n_turns,
+        })
+        if args.prm == "llm":
+            row["credit/prm_parse_fail_frac"] = prm_fails / max(len(trajs), 1)
+        if torch.cuda.is_available():
+            row["perf/peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        logger.log_samples(it, [episode_record(tr, "train") for tr in trajs[: args.num_logged_episodes]])
+        if (args.eval_every and it % args.eval_every == 0) or it == args.num_iterations:
+            last_eval = run_eval(it)
+            row.update(last_eval)
+            history.append({"iteration": it, **{k: v for k, v in last_eval.items()
+                                                 if k.startswith("eval/") and "/vs_" not in k}})
+        logger.log(it, row)
+        if args.save_model and args.checkpoint_every and it % args.checkpoint_every == 0:
+            save_adapter(model, run_dir)
+        bar.set_postfix(score=f"{row['charts/goal_score']:.2f}", reward=f"{row['charts/return']:.2f}",
+                        loss=f"{row['losses/policy_loss']:.3f}")
+    if args.save_model:
+        save_adapter(model, run_dir)
+    summary = {
+        "run_dir": str(run_dir),
+        "iterations": args.num_iterations,
+        "wall_seconds": time.time() - t_start,
+        "first_eval": first_eval,
+        "last_eval": last_eval,
+        "eval_history": history,
+        "base_unchanged": base_fingerprint(model) == fingerprint0,
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print("summary: " + json.dumps({k: v for k, v in summary.items() if k in ("run_dir", "iterations", "wall_seconds",
+                                                                            "base_unchanged")}))
+    for name, ev in (("first", first_eval), ("last", last_eval)):
+        print(f"{name} eval: " + ", ".join(f"{k}={v:.3f}" for k, v in ev.items() if "/vs_" not in k))
+    return summary
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    from common.models import UserError
+
+    try:
+        main(args)
+    except UserError as e:
+        sys.exit(f"error: {e}")

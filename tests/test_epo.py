@@ -1,0 +1,207 @@
+"""EPO: credit functions against hand-computed numbers, the PRM answer parser on malformed answers,
+the rule PRM, and the script end to end (rule agent + rule PRM; base agent + LLM PRM)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import REPO, assert_adapter_trained, assert_run_outputs, read_metrics
+
+import epo
+
+
+# ---------------------------------------------------------------------------------------------
+# epo_turn_weights
+# ---------------------------------------------------------------------------------------------
+def test_weights_no_critical_turn_and_zero_outcome_are_all_zero():
+    np.testing.assert_array_equal(epo.epo_turn_weights([False] * 4, 0.0), np.zeros(4))
+    assert epo.epo_turn_weights([], 0.7).shape == (0,)
+
+
+def test_weights_outcome_only():
+    # T = 3, outcome 0.5: r = [0, 0, 0.5]; G = [0.5 * 0.99^2, 0.5 * 0.99, 0.5] = [0.49005, 0.495, 0.5]
+    # max |G| = 0.5 -> A = [0.9801, 0.99, 1.0]
+    np.testing.assert_allclose(epo.epo_turn_weights([0, 0, 0], 0.5), [0.9801, 0.99, 1.0], atol=1e-12)
+
+
+def test_weights_critical_last_turn_drops_the_outcome():
+    # critical = [T, F, T], outcome 0.8. The last turn is critical: r = [1, 0, 1] (0.8 is dropped)
+    # G2 = 1, G1 = 0.99, G0 = 1 + 0.99 * 0.99 = 1.9801; max 1.9801
+    # A = [1, 0.99 / 1.9801, 1 / 1.9801] = [1, 0.499974..., 0.505025...]
+    # (with the outcome added, r2 = 1.8 would give G = [2.76418, 1.782, 1.8] instead)
+    want = [1.0, 0.99 / 1.9801, 1.0 / 1.9801]
+    np.testing.assert_allclose(epo.epo_turn_weights([True, False, True], 0.8), want, atol=1e-12)
+    # only the last turn critical: r = [0, 0, 1] -> [0.9801, 0.99, 1], whatever the outcome
+    np.testing.assert_allclose(epo.epo_turn_weights([False, False, True], 0.0), [0.9801, 0.99, 1.0], atol=1e-12)
+
+
+def test_weights_worked_example_critical_turn_two_of_ten():
+    # docs/epo.md, worked example: T = 10, turn 2 (index 1) critical, outcome 0.8, γ = 0.99
+    # r = [0, 1, 0, 0, 0, 0, 0, 0, 0, 0.8]
+    # G9 = 0.8; G_t = 0.8 * 0.99^(9-t) for t = 2..8; G1 = 1 + 0.99 * G2 = 1 + 0.8 * 0.99^8 = 1.738195755
+    # G0 = 0.99 * G1 = 1.720813798; max = G1
+    # A0 = 0.99, A1 = 1, A2 = 0.8 * 0.99^7 / G1 = 0.745652278 / 1.738195755 = 0.428981..., A9 = 0.8 / G1 = 0.460247...
+    A = epo.epo_turn_weights([t == 1 for t in range(10)], 0.8)
+    g1 = 1 + 0.8 * 0.99 ** 8
+    assert A[0] == pytest.approx(0.99, abs=1e-12)
+    assert A[1] == pytest.approx(1.0, abs=1e-12)
+    assert A[2] == pytest.approx(0.428981, abs=1e-6)
+    assert A[9] == pytest.approx(0.460247, abs=1e-6)
+    np.testing.assert_allclose(A[2:], [0.8 * 0.99 ** (9 - t) / g1 for t in range(2, 10)], atol=1e-12)
+
+
+def test_weights_zero_outcome_critical_turn_and_gamma_one():
+    # outcome 0, turn 3 of 5 critical: r = [0, 0, 1, 0, 0] -> G = [0.9801, 0.99, 1, 0, 0] -> same / 1
+    np.testing.assert_allclose(epo.epo_turn_weights([0, 0, 1, 0, 0], 0.0), [0.9801, 0.99, 1.0, 0.0, 0.0], atol=1e-12)
+    # γ = 1, critical = [F, T, F, F], outcome 0.5: r = [0, 1, 0, 0.5] -> G = [1.5, 1.5, 0.5, 0.5] -> / 1.5
+    np.testing.assert_allclose(epo.epo_turn_weights([0, 1, 0, 0], 0.5, gamma=1.0), [1, 1, 1 / 3, 1 / 3], atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# epo_loss
+# ---------------------------------------------------------------------------------------------
+def test_loss_token_mean_then_turn_mean():
+    # turn 0: tokens -1, -2 (third column is padding) -> mean -1.5; turn 1: -0.5, -1.5, -2.5 -> mean -1.5
+    # A = [1.0, 0.5]: L = -(1/2) * (1.0 * -1.5 + 0.5 * -1.5) = 1.125
+    lp = torch.tensor([[-1.0, -2.0, -7.0], [-0.5, -1.5, -2.5]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    loss = epo.epo_loss(lp, mask, torch.tensor([1.0, 0.5]))
+    assert float(loss.detach()) == pytest.approx(1.125, abs=1e-7)
+    loss.backward()
+    # dL/dlp[t, i] = -(1/T) * A_t / k_t on real tokens: turn 0: -(1/2)(1)(1/2) = -0.25; turn 1: -(1/2)(0.5)(1/3) = -1/12
+    np.testing.assert_allclose(lp.grad.numpy(), [[-0.25, -0.25, 0.0], [-1 / 12, -1 / 12, -1 / 12]], atol=1e-7)
+
+
+def test_loss_zero_weights_give_zero_loss_and_gradient():
+    lp = torch.tensor([[-1.0, -3.0], [-2.0, -4.0]], requires_grad=True)
+    loss = epo.epo_loss(lp, torch.ones(2, 2), torch.zeros(2))
+    assert float(loss) == 0.0
+    loss.backward()
+    assert float(lp.grad.abs().sum()) == 0.0
+
+
+def test_loss_split_over_micro_batches_sums_to_the_whole():
+    # train_strategist adds (|S| / T) * epo_loss(S) per micro-batch S of one trajectory's turns:
+    # (1/2) * epo_loss(turn 0) + (1/2) * epo_loss(turn 1) = (1/2)(1.5) + (1/2)(0.75) = 1.125
+    lp = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, -1.5, -2.5]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    w = torch.tensor([1.0, 0.5])
+    parts = 0.5 * epo.epo_loss(lp[:1], mask[:1], w[:1]) + 0.5 * epo.epo_loss(lp[1:], mask[1:], w[1:])
+    assert float(parts) == pytest.approx(1.125, abs=1e-7)
+
+
+# ---------------------------------------------------------------------------------------------
+# PRMs
+# ---------------------------------------------------------------------------------------------
+def test_rule_prm_top_k_progress_gains():
+    # progress before turns 0..4 and at the end: gains = [0.1, 0, 0.4, -0.1, 0.2]
+    p = [0.0, 0.1, 0.1, 0.5, 0.4, 0.6]
+    assert epo.rule_critical_turns(p, k=2).tolist() == [False, False, True, False, True]
+    assert epo.rule_critical_turns(p, k=3).tolist() == [True, False, True, False, True]
+    # k = 4: the fourth largest gain is 0 -> not critical (gain must exceed min_gain)
+    assert epo.rule_critical_turns(p, k=4).tolist() == [True, False, True, False, True]
+    # tie between turns 0 and 1 (gain 0.2 each): the earlier wins
+    assert epo.rule_critical_turns([0.0, 0.2, 0.4, 0.4], k=1).tolist() == [True, False, False]
+    # no positive gain, or no turn
+    assert not epo.rule_critical_turns([0.5, 0.5, 0.0], k=2).any()
+    assert epo.rule_critical_turns([0.3], k=2).shape == (0,)
+
+
+def test_prm_answer_valid_forms():
+    pos = [1, 3, 5]  # the strategies are conversation entries 1, 3, 5
+    assert epo.parse_prm_answer('{"indexes": [1, 5], "reasoning": "anchor and close"}', pos) == [True, False, True]
+    text = 'Sure.\n```json\n{"indexes": [3], "reasoning": "the concession"}\n```'
+    assert epo.parse_prm_answer(text, pos) == [False, True, False]
+    # positions of human messages (2), out of range (9, -1) and non-integers are ignored; 5.0 counts
+    assert epo.parse_prm_answer('{"indexes": [2, 9, -1, "3", 1.5, true, 5.0]}', pos) == [False, False, True]
+
+
+@pytest.mark.parametrize("answer", [
+    "", None, "no json here", "indexes: [1, 3]", '{"indexes": [1, 3', '{"indexes": "1, 3"}', "{indexes: [1]}",
+    '{"reasoning": "nothing"}', '[1, 3]', '{"indexes": null}', "\x00{\x01}", "{" * 2000,
+    '{"indexes": [1], "reasoning": "a {nested} brace"}',  # the official non-greedy match cuts it: bad JSON
+])
+def test_malformed_prm_answer_marks_no_critical_turn(answer):
+    assert epo.parse_prm_answer(answer, [1, 3, 5]) == [False, False, False]
+
+
+def test_prm_prompt_numbers_the_conversation():
+    tr = epo.Trajectory(0, 0, "p00_s0.8_b1.2_T8", "Alice", "self", strategies=["Strategy: anchor high",
+                        "Strategy: hold firm"], views=["Round 1 of 8.", "Round 2 of 8. Bob proposes $90."],
+                        context="You are Alice.", score=6.5)
+    text, positions = epo.prm_prompt(tr, "negotiation", True, "Bob")
+    assert positions == [1, 3]
+    start = text.index('{"conversations"')
+    hist = json.loads(text[start:text.index("\n\nYour task")])
+    assert [c["index"] for c in hist["conversations"]] == [0, 1, 2, 3]
+    assert hist["conversations"][1] == {"from": "gpt", "value": "Strategy: anchor high", "index": 1}
+    assert hist["conversations"][0]["value"].startswith("You are Alice.") and hist["score"] == 6.5
+    assert "select top strategies Alice used" in text and "between Alice and Bob" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# end to end
+# ---------------------------------------------------------------------------------------------
+SMALL = ["--num-iterations", "2", "--episodes-per-iteration", "6", "--eval-num-tasks", "2", "--eval-every", "2",
+         "--torch-threads", "1", "--lora-r", "8", "--lora-alpha", "8", "--learning-rate", "1e-3",
+         "--num-epochs", "2", "--trajectories-per-step", "4"]
+
+
+def test_end_to_end_rule_agent_rule_prm(run_method):
+    run_dir = run_method("epo.py", *SMALL, "--agent", "rule", "--prm", "rule")
+    summary = assert_run_outputs(run_dir)
+    assert_adapter_trained(run_dir)
+    rows = read_metrics(run_dir)
+    train = [r for r in rows if "charts/goal_score" in r]
+    assert len(train) == 2
+    for r in train:
+        assert math.isfinite(r["losses/policy_loss"]) and 0 <= r["credit/critical_frac"] <= 1
+        assert r["perf/samples"] > 0 and 0 <= r["charts/goal_score"] <= 10
+    ev = summary["last_eval"]
+    for style in ("tough", "fair", "conceding", "tit_for_tat"):
+        for role in ("Alice", "Bob"):
+            for key in ("goal_score", "deal_rate", "win_rate"):
+                v = ev[f"eval/vs_{style}/{role}/{key}"]
+                assert 0 <= v <= (10 if key == "goal_score" else 1)
+    for key in ("eval/success", "eval/success_greedy", "eval/return", "eval/episode_length", "eval/selfplay_goal_score"):
+        assert key in ev
+    assert [h["iteration"] for h in summary["eval_history"]] == [0, 2]
+    recs = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
+    train_recs = [r for r in recs if r["tag"] == "train"]
+    assert train_recs and all(t["weight"] is not None for r in train_recs for t in r["turns"])
+
+
+def test_end_to_end_base_agent_llm_prm(run_method):
+    # the micro model writes gibberish as agent and as PRM: the pipeline must still run and log
+    args = list(SMALL)
+    args[1] = "1"
+    run_dir = run_method("epo.py", *args, "--agent", "base", "--prm", "llm", "--eval-num-tasks", "1",
+                         "--learning-rate", "3e-3")
+    assert_run_outputs(run_dir)
+    rows = read_metrics(run_dir)
+    train = [r for r in rows if "charts/goal_score" in r]
+    assert len(train) == 1 and 0 <= train[0]["credit/prm_parse_fail_frac"] <= 1
+    assert 0 <= train[0]["charts/invalid_rate"] <= 1
+    recs = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert any("prm_answer" in r for r in recs if r["tag"] == "train")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["base_unchanged"] is True
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--env-id", "sokoban", "--agent", "rule"], ["--agent rule", "--agent base"]),
+    (["--train-opponent", "rule:nobody"], ["--train-opponent", "tough"]),
+    (["--env-id", "no_such_env"], ["no_such_env", "negotiation"]),
+])
+def test_user_errors_are_one_clear_line(tiny_cache, flags, words):
+    proc = subprocess.run([sys.executable, str(REPO / "epo.py"), "--tiny-preset", "micro", *flags], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().startswith("error:") and all(w in proc.stderr for w in words), proc.stderr
