@@ -504,6 +504,8 @@ def hash_embed(texts, dim=256):
     out = np.zeros((len(texts), 2 * half), dtype=np.float64)
     for i, text in enumerate(texts):
         s = " ".join(str(text).lower().split())
+        if not s:
+            continue
         for w in _WORD.findall(s):
             j, sign = _hash_feature("w:" + w, half)
             out[i, j] += sign
@@ -870,10 +872,11 @@ def main(args: Args):
     if args.eval_num_tasks:
         test_tasks = test_tasks[: args.eval_num_tasks]
 
+    embedder = Embedder(args.embedder, dim=args.embed_dim)  # a bad encoder fails before the policy loads
     model, tok = load_policy(args.model_name, env_id=args.env_id, tiny_preset=args.tiny_preset,
                              load_in_4bit=args.load_in_4bit, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
                              lora_dropout=args.lora_dropout, activation_checkpointing=args.activation_checkpointing)
-    embedder = Embedder(args.embedder, model, tok, args.embed_dim)
+    embedder.model, embedder.tok = model, tok  # used by --embedder policy
     fingerprint0 = base_fingerprint(model)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.Adam(params, lr=lr)
