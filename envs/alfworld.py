@@ -208,14 +208,50 @@ def generate_task(rng: random.Random, task_type: str) -> dict:
                   and any(p in present for p in data["objects"][o]["places"])]
         for _ in range(rng.randint(4, 7)):
             place(rng.choice(others), set())
-        if task_type == "look":
-            text = f"look at {obj} under the {spec['lamp']}."
-        else:
-            adj = {"pick": "a", "clean": "a clean", "heat": "a hot", "cool": "a cool", "two": "two"}[task_type]
-            text = f"put {adj} {obj} {data['receptacles'][goal]['prep']} {goal}."
         return dict(task_type=task_type, scene=scene, receptacles=receptacles, placements=placements,
-                    lamp=lamp, lamp_at=lamp_at, obj=obj, goal=goal, text=text)
+                    lamp=lamp, lamp_at=lamp_at, obj=obj, goal=goal,
+                    text=goal_text(task_type, obj, goal, lamp))
     raise ValueError(f"could not generate an alfworld {task_type!r} task")  # pragma: no cover
+
+
+def goal_text(task_type: str, obj: str, goal: Optional[str], lamp: Optional[str]) -> str:
+    """ALFWorld's goal phrasing: "put a hot apple in fridge.", "look at book under the desklamp."."""
+    if task_type == "look":
+        return f"look at {obj} under the {rtype(lamp)}."
+    adj = {"pick": "a", "clean": "a clean", "heat": "a hot", "cool": "a cool", "two": "two"}[task_type]
+    return f"put {adj} {obj} {world()['receptacles'][goal]['prep']} {goal}."
+
+
+def parse_task(text: str) -> dict:
+    """A hand-written task from JSON (task ids "json:{...}"): keys task_type, scene, receptacles (names in
+    listing order), placements ({object: receptacle}), obj, and goal (receptacle type; not for look) or
+    lamp and lamp_at (look, optional otherwise). ValueError when it is not a consistent task."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"alfworld json task: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError("alfworld json task must be an object")
+    data = world()
+    t, scene = raw.get("task_type"), raw.get("scene")
+    recs, placements = list(raw.get("receptacles") or []), dict(raw.get("placements") or {})
+    obj, goal, lamp, lamp_at = raw.get("obj"), raw.get("goal"), raw.get("lamp"), raw.get("lamp_at")
+    if t not in TASK_TYPES or scene not in data["scenes"] or obj not in data["objects"]:
+        raise ValueError("alfworld json task needs task_type, scene and obj from the world table")
+    if not recs or any(rtype(r) not in data["receptacles"] for r in recs) or len(set(recs)) != len(recs):
+        raise ValueError("alfworld json task: receptacles must be distinct known names like 'cabinet 1'")
+    if any(r not in recs for r in placements.values()) or any(rtype(o) not in data["objects"] for o in placements):
+        raise ValueError("alfworld json task: placements must put known objects in listed receptacles")
+    if (lamp is None) != (lamp_at is None) or (lamp_at is not None and lamp_at not in recs):
+        raise ValueError("alfworld json task: lamp and lamp_at go together, lamp_at a listed receptacle")
+    if t == "look" and lamp is None:
+        raise ValueError("alfworld json task: a look task needs a lamp")
+    if t != "look" and (goal not in data["receptacles"] or not any(rtype(r) == goal for r in recs)):
+        raise ValueError("alfworld json task: goal must be a receptacle type present in the room")
+    if t in PROCESS and not any(rtype(r) == data["appliances"][t] for r in recs):
+        raise ValueError(f"alfworld json task: a {t} task needs a {data['appliances'][t]}")
+    return dict(task_type=t, scene=scene, receptacles=recs, placements=placements, lamp=lamp, lamp_at=lamp_at,
+                obj=obj, goal=goal if t != "look" else None, text=goal_text(t, obj, goal, lamp))
 
 
 def task_signature(task: dict) -> str:
@@ -299,12 +335,14 @@ class ALFWorldEnv(TextEnv):
         return _TEST_SIGNATURES[key]
 
     def get_task(self, task_id: str) -> dict:
-        """The task of an id "train-<i>" or "test-<i>" (ValueError otherwise)."""
+        """The task of an id "train-<i>", "test-<i>" or "json:{...}" (see `parse_task`); ValueError otherwise."""
+        if str(task_id).startswith("json:"):
+            return parse_task(str(task_id)[5:])
         split, _, idx = str(task_id).partition("-")
         n = {"train": self.num_train, "test": self.num_test}.get(split)
         if n is None or not idx.isdigit() or int(idx) >= n:
-            raise ValueError(f"unknown alfworld task id {task_id!r}: use train-<0..{self.num_train - 1}> "
-                             f"or test-<0..{self.num_test - 1}>")
+            raise ValueError(f"unknown alfworld task id {task_id!r}: use train-<0..{self.num_train - 1}>, "
+                             f"test-<0..{self.num_test - 1}> or json:{{...}}")
         return _cached_task(self, split, int(idx))
 
     # -- protocol ------------------------------------------------------------------------------
@@ -313,8 +351,7 @@ class ALFWorldEnv(TextEnv):
         self._clear()
         self.where = dict(self.task["placements"])
         self.task_prompt = f"Task: {self.task['text']}"
-        scene = SCENE_WORDS[self.task["scene"]]
-        return self._observe(f"You are in the middle of the {scene}.")
+        return self.status()
 
     def _step(self, action: str) -> Step:
         canon = self._match(action)
@@ -493,8 +530,8 @@ class ALFWorldEnv(TextEnv):
         """Location, held object, unchecked receptacles, sightings of the task object, actions."""
         if self.task is None:
             return ""
-        at = self.loc if self.loc else "the middle of the room"
-        lines = [f"You are at {at}, holding {self._held_text()}."]
+        at = f"at {self.loc}" if self.loc else f"in the middle of the {SCENE_WORDS[self.task['scene']]}"
+        lines = [f"You are {at}, holding {self._held_text()}."]
         unchecked = [r for r in self.task["receptacles"] if r not in self.checked]
         if unchecked:
             lines.append("Not looked in: " + ", ".join(unchecked) + ".")
@@ -516,8 +553,6 @@ class ALFWorldEnv(TextEnv):
             log = log[-(self.history + 1):]
         if log:
             parts.append("\n".join(f"> {a}\n{f}" for a, f in log))
-        elif self.task is not None:
-            parts.append(f"You are in the middle of the {SCENE_WORDS[self.task['scene']]}.")
         parts.append(self.status())
         parts.append(self._turn_footer())
         return [{"role": "system", "content": self.system_prompt},
