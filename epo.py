@@ -123,7 +123,7 @@ class Args:
     """most tokens per agent message; None: 128 for a real model, 16 for the tiny model"""
     train_opponent: str = "self"
     """training episodes: 'self' (self-chat, both roles learn) or 'rule:<style>' / 'rule:any' (one role learns)"""
-    eval_num_tasks: int = 8
+    eval_num_tasks: int = 12
     """test tasks per evaluation (each played in both roles against every scripted style; 0: all)"""
     eval_every: int = 1
     """evaluate every this many iterations (and before training and at the end; 0: only those two)"""
@@ -133,9 +133,9 @@ class Args:
     """decoded episodes written to samples.jsonl per evaluation and per iteration"""
 
     # algorithm
-    num_iterations: int = 5
+    num_iterations: int = 8
     """self-play iterations (collect, PRM, weights, train); the paper reports a plateau after about 5"""
-    episodes_per_iteration: int = 32
+    episodes_per_iteration: int = 64
     """games collected per iteration (self-chat: 2 strategist trajectories per game)"""
     num_epochs: int = 3
     """training epochs over each iteration's trajectories (official: 3)"""
