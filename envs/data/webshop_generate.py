@@ -1,6 +1,6 @@
 """Write the WebShop-lite data: envs/data/webshop_catalogue.json and envs/data/webshop_tasks.json.
 
-Run from the repository root: `python envs/data/webshop_generate.py`. The output depends only on the
+Run `python envs/data/webshop_generate.py [OUT_DIR]` (default: this directory). The output depends only on the
 tables below and SEED (Python's `random.Random` with a string seed), so rerunning it rewrites the
 same files.
 
@@ -144,7 +144,7 @@ def readable(goal: dict, products: list[dict], by_id: dict) -> bool:
     return False
 
 
-def main() -> None:
+def main(out_dir: Path = Path(__file__).resolve().parent) -> None:
     rng = random.Random(SEED)
     products = make_products(rng)
     by_id = {p["id"]: p for p in products}
@@ -168,7 +168,7 @@ def main() -> None:
             out.append(goal)
         splits[split] = out
         print(f"{split}: {n} instructions from {tries} drawn", file=sys.stderr)
-    here = Path(__file__).resolve().parent
+    here = Path(out_dir)
     (here / "webshop_catalogue.json").write_text(dumps(cat_out))
     (here / "webshop_tasks.json").write_text(dumps({"train": splits["train"], "test": splits["test"]}))
 
@@ -187,4 +187,4 @@ def dumps(obj: dict) -> str:
     return "\n".join(lines + ["}"]) + "\n"
 
 if __name__ == "__main__":
-    main()
+    main(*(Path(a) for a in sys.argv[1:2]))
