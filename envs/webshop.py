@@ -84,6 +84,7 @@ _ACTION_RE = re.compile(r"^\s*(search|click)\s*\[(.*)\]\s*[.!]?\s*$", re.IGNOREC
 _WORD_RE = re.compile(r"[a-z0-9$][a-z0-9$.'-]*")
 MAX_QUERY_WORDS = 20
 SHOW_CHARS = 60
+TASK_LINE = "WebShop: buy what the instruction asks. Actions: search[words], click[a name in brackets]."
 POPULARITY_WEIGHT = 3.0  # longest query or click text echoed back in an observation
 
 
@@ -195,6 +196,8 @@ class WebShopEnv(TextEnv):
     """WebShop-lite (see the module docstring). Options:
 
     history: past actions shown in the prompt (None = all).
+    instructions: False leaves the task line (what to do, the action forms) out of the user message;
+        the instruction of the task is always shown, and the system prompt keeps everything.
     results_per_page: products per results page.
     max_results: results of a search (pages = ceil(max_results / results_per_page)).
     max_steps: turns per episode.
@@ -214,8 +217,9 @@ class WebShopEnv(TextEnv):
     )
 
     def __init__(self, history: Optional[int] = 4, results_per_page: int = 3, max_results: int = 15,
-                 max_steps: int = MAX_STEPS):
+                 max_steps: int = MAX_STEPS, instructions: bool = True):
         super().__init__(history=history)
+        self.instructions = bool(instructions)
         if results_per_page < 1:
             raise ValueError(f"results_per_page must be >= 1, got {results_per_page}")
         if max_results < results_per_page:
@@ -224,8 +228,9 @@ class WebShopEnv(TextEnv):
             raise ValueError(f"max_steps must be >= 6 (search, click, two options, buy and a page turn), "
                              f"got {max_steps}")
         self.results_per_page, self.max_results, self.max_turns = results_per_page, max_results, max_steps
-        if (history, results_per_page, max_results, max_steps) != (4, 3, 15, MAX_STEPS):
-            self.version = f"{VERSION}|h{history}|r{results_per_page}|m{max_results}|s{max_steps}"
+        if (history, results_per_page, max_results, max_steps, instructions) != (4, 3, 15, MAX_STEPS, True):
+            self.version = (f"{VERSION}|h{history}|r{results_per_page}|m{max_results}|s{max_steps}"
+                            f"|i{int(self.instructions)}")
         cat = load_catalogue()
         self.products: list[dict] = cat["products"]
         self.by_id: dict[str, dict] = cat["by_id"]
@@ -259,8 +264,7 @@ class WebShopEnv(TextEnv):
     def _reset(self, task_id: str) -> str:
         self.goal = self._goal_of(task_id)
         self._reset_page()
-        self.task_prompt = ("WebShop: buy what the instruction asks. Actions: search[words], "
-                            "click[a name in brackets].\nInstruction: " + self.goal["instruction"])
+        self.task_prompt = TASK_LINE + "\nInstruction: " + self.goal["instruction"]
         return self.render()
 
     @property
@@ -437,7 +441,10 @@ class WebShopEnv(TextEnv):
 
     # -- prompt --------------------------------------------------------------------------------
     def messages(self) -> list[dict]:
-        parts = [self.task_prompt]
+        if self.instructions or self.goal is None:
+            parts = [self.task_prompt]
+        else:  # the task line left out, the instruction of the task kept
+            parts = ["Instruction: " + self.goal["instruction"]]
         items = [(i, a) for i, (a, _) in enumerate(self.trajectory)]
         if self.history is not None:
             items = items[-self.history:] if self.history else []

@@ -257,7 +257,8 @@ def test_action_forms():
     assert parse_action("  CLICK [ Buy  Now ] ") == ("click", "Buy Now")
     assert parse_action("click[next >].") == ("click", "next >")
     for bad in ["click", "click[]x", "press[p001]", "search(red)", "click[a]]", None, "x" * 500]:
-        assert parse_action(bad) is None or parse_action(bad)[1] == "", bad
+        assert parse_action(bad) is None, bad
+    assert parse_action("click[]") == ("click", "")  # parsed, then invalid: nothing is named ""
     env = envs.make("webshop")
     env.reset("test-1")
     assert env.step("<think>search first</think><action>search[blue organic wool sweater]</action>").info[
@@ -303,6 +304,15 @@ def test_prompt_is_compact_and_complete(env):
             longest = max(longest, len(env.messages()[1]["content"]))
             env.step(env.expert_action())
     assert longest < 700  # about 200 tokens of the default tiny tokenizer
+
+
+def test_without_the_task_line_the_instruction_stays():
+    env = envs.make("webshop", instructions=False)
+    env.reset("test-1")
+    user = env.messages()[1]["content"]
+    assert user.split("\n") == ["Instruction: i want to buy a blue organic wool sweater, size l, under $70",
+                                "Search page. Type search[words].", "Step 1 of 15."]
+    assert env.version != envs.make("webshop").version
 
 
 def test_bad_options_and_task_ids():
