@@ -31,7 +31,8 @@ status block that makes the prompt self-contained for a small model: where the a
 holds with the object's state (GraphGPO's augmentation), the receptacles not looked into yet, where
 the objects of the task's type were seen, and the admissible actions. The user message
 (`messages()`) is the task line, the last `history` (action, feedback) pairs plus the last one, the
-status block and the turn counter (about 150-250 tokens of the tiny tokenizer).
+status block and the turn counter (about 230 tokens of the default tiny tokenizer on average, at most
+about 320).
 
 Task generation (`generate_task`): deterministic from the task id. Test task i and train task i use
 `random.Random("alfworld|<version>|seed<seed>|<split>|<i>[|<attempt>]")`; the type is the i-th of the

@@ -344,7 +344,7 @@ def test_noisy_expert_recovers():
             acts = env.admissible_actions()
             s = env.step(env.expert_action() if rng.random() > 0.3 else rng.choice(acts))
         wins += s.info["success"]
-    assert wins >= 0.9 * 120  # measured 120/120 with 30% random actions
+    assert wins >= 0.9 * 120  # measured 118/120 with 30% random actions
 
 
 def test_random_admissible_policy_rarely_succeeds():
@@ -358,7 +358,7 @@ def test_random_admissible_policy_rarely_succeeds():
             s = env.step(rng.choice(env.admissible_actions()))
             assert not s.info["invalid"]
         wins += s.info["success"]
-    assert wins / 360 < 0.05  # measured 0.005 over 1200 episodes
+    assert wins / 360 < 0.05  # measured 2/360 here, 6/1200 (0.005) over 1200 episodes
 
 
 def test_prompts_stay_compact():
