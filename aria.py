@@ -145,8 +145,8 @@ class Args:
     """aggregate rewards in the intention space (ARIA); --no-aggregate: REINFORCE on raw discounted returns"""
     num_iterations: int = 3
     """collect-then-train iterations (paper: 3)"""
-    games_per_iteration: int = 48
-    """games collected per iteration with the current policy (paper: 1000)"""
+    games_per_iteration: int = 32
+    """games collected per iteration with the current policy (paper: 1000; 32 fits the CPU budget)"""
     num_epochs: int = 3
     """epochs of offline REINFORCE over each iteration's steps (paper: 3)"""
     batch_size: Optional[int] = None
