@@ -18,8 +18,9 @@ Pages and actions (the web shop as text):
 - search page (start): `search[query]`.
 - results page: products ranked by how many distinct query words their text holds (title words, type,
   category and colors; ties in catalogue order), `results_per_page` per page, at most `max_results`.
-  Clickables: each product id shown (`click[p042]`), `click[next >]`, `click[< prev]` (page > 1) and
-  `click[back to search]`.
+  Clickables: each result by its number on the page (`click[1]`..`click[3]`; with `click_items="id"`
+  by its product id, `click[p042]`, as WebShop's ASIN buttons), `click[next >]`, `click[< prev]`
+  (page > 1) and `click[back to search]`.
 - item page: title, price, the color and size options; clickables: each option value (clicking one
   chooses it for its group, replacing an earlier choice), `click[< prev]` (back to the results page),
   `click[back to search]` and `click[buy now]`.
@@ -201,23 +202,16 @@ class WebShopEnv(TextEnv):
     results_per_page: products per results page.
     max_results: results of a search (pages = ceil(max_results / results_per_page)).
     max_steps: turns per episode.
+    click_items: how a results page names its products: "number" (default: [1], [2], [3] on each page,
+        one token for a tiny policy) or "id" (the product id, [p042], as WebShop's ASIN buttons).
     """
 
     env_id = "webshop"
     version = VERSION
     max_turns = MAX_STEPS
-    system_prompt = (
-        "You are shopping in a web shop. Buy the product that the instruction describes: the right type, "
-        "attributes, color and size options, and a price under the bound. Actions: search[words] searches "
-        "the shop (from any page); click[name] clicks a bracketed name on the current page: a product id "
-        "such as [p042] on a results page, [next >] and [< prev] to turn pages or go back, [back to search], "
-        "an option value such as [red] or [m] on a product page to choose it, and [buy now] to buy the "
-        "product with the chosen options, which ends the episode. You have at most 15 actions. "
-        + INSTRUCT_FORMAT
-    )
 
     def __init__(self, history: Optional[int] = 4, results_per_page: int = 3, max_results: int = 15,
-                 max_steps: int = MAX_STEPS, instructions: bool = True):
+                 max_steps: int = MAX_STEPS, instructions: bool = True, click_items: str = "number"):
         super().__init__(history=history)
         self.instructions = bool(instructions)
         if results_per_page < 1:
@@ -227,10 +221,23 @@ class WebShopEnv(TextEnv):
         if max_steps < 6:
             raise ValueError(f"max_steps must be >= 6 (search, click, two options, buy and a page turn), "
                              f"got {max_steps}")
+        if click_items not in ("number", "id"):
+            raise ValueError(f"click_items must be 'number' or 'id', got {click_items!r}")
+        self.click_items = click_items
+        what = "a product id such as [p042]" if click_items == "id" else "a result number such as [1]"
+        self.system_prompt = (
+            "You are shopping in a web shop. Buy the product that the instruction describes: the right "
+            "type, attributes, color and size options, and a price under the bound. Actions: search[words] "
+            f"searches the shop (from any page); click[name] clicks a bracketed name on the current page: "
+            f"{what} on a results page, [next >] and [< prev] to turn pages or go back, [back to search], "
+            "an option value such as [red] or [m] on a product page to choose it, and [buy now] to buy the "
+            f"product with the chosen options, which ends the episode. You have at most {max_steps} actions. "
+            + INSTRUCT_FORMAT)
         self.results_per_page, self.max_results, self.max_turns = results_per_page, max_results, max_steps
-        if (history, results_per_page, max_results, max_steps, instructions) != (4, 3, 15, MAX_STEPS, True):
+        if (history, results_per_page, max_results, max_steps, instructions, click_items) != (
+                4, 3, 15, MAX_STEPS, True, "number"):
             self.version = (f"{VERSION}|h{history}|r{results_per_page}|m{max_results}|s{max_steps}"
-                            f"|i{int(self.instructions)}")
+                            f"|i{int(self.instructions)}|{click_items}")
         cat = load_catalogue()
         self.products: list[dict] = cat["products"]
         self.by_id: dict[str, dict] = cat["by_id"]
@@ -278,7 +285,7 @@ class WebShopEnv(TextEnv):
     def clickables(self) -> list[str]:
         """The names clickable on the current page, in page order."""
         if self.page == "results":
-            out = list(self.page_results())
+            out = [self._result_name(k, pid) for k, pid in enumerate(self.page_results(), 1)]
             if self.page_no > 1:
                 out.append(PREV)
             if self.page_no < self.num_pages:
@@ -289,6 +296,13 @@ class WebShopEnv(TextEnv):
             return [v for g in OPTION_GROUPS for v in p["options"].get(g, [])] + [PREV, BACK, BUY]
         return []
 
+    def _result_name(self, k: int, pid: str) -> str:
+        """The clickable name of the k-th result of the page (1-based): k, or the product id."""
+        return pid if self.click_items == "id" else str(k)
+
+    def _item_name(self, p: dict) -> str:
+        return f"[{p['id']}] " if self.click_items == "id" else ""
+
     def render(self) -> str:
         """The current page as text."""
         if self.page == "search":
@@ -297,15 +311,17 @@ class WebShopEnv(TextEnv):
             if not self.results:
                 return f'No results for "{_clip(self.query)}".\n[{BACK}]'
             head = f'Results page {self.page_no}/{self.num_pages} for "{_clip(self.query)}":'
-            lines = [head] + [f"[{pid}] {self.by_id[pid]['title']} ${self.by_id[pid]['price']}"
-                              for pid in self.page_results()]
+            lines = [head]
+            for k, pid in enumerate(self.page_results(), 1):
+                p = self.by_id[pid]
+                lines.append(f"[{self._result_name(k, pid)}] {p['title']} ${p['price']}")
             buttons = [b for b in (PREV, NEXT, BACK) if b in self.clickables()]
             return "\n".join(lines + [" ".join(f"[{b}]" for b in buttons)])
         p = self.by_id[self.item]
         if self.page == "bought":
             opts = ", ".join(self.chosen[g] for g in OPTION_GROUPS if g in self.chosen) or "no options"
-            return f"You bought [{p['id']}] {p['title']} ${p['price']} ({opts}). Reward {self.final_reward:.2f}."
-        lines = [f"Item [{p['id']}] {p['title']} ${p['price']}"]
+            return f"You bought {self._item_name(p)}{p['title']} ${p['price']} ({opts}). Reward {self.final_reward:.2f}."
+        lines = [f"Item: {self._item_name(p)}{p['title']} ${p['price']}"]
         for g in OPTION_GROUPS:
             if p["options"].get(g):
                 lines.append(f"{g}: " + " ".join(f"[{v}]" for v in p["options"][g]))
@@ -340,8 +356,6 @@ class WebShopEnv(TextEnv):
             return self._ok()
         target = arg.lower().strip()
         target = _BUTTON_ALIASES.get(target, target)
-        if target.startswith("[") or target.endswith("]"):
-            target = target.strip("[]").strip()
         if target not in self.clickables():
             if self.page == "search":
                 return self._invalid("nothing to click on the search page; use search[words]")
@@ -362,7 +376,8 @@ class WebShopEnv(TextEnv):
                         {"success": success, "invalid": False, "progress": self.final_reward,
                          "reward_parts": self._parts()})
         elif self.page == "results":
-            self.page, self.item, self.chosen = "item", target, {}
+            names = [self._result_name(k, pid) for k, pid in enumerate(self.page_results(), 1)]
+            self.page, self.item, self.chosen = "item", self.page_results()[names.index(target)], {}
         else:  # an option value
             p = self.by_id[self.item]
             group = next(g for g in OPTION_GROUPS if target in p["options"].get(g, []))
@@ -415,7 +430,7 @@ class WebShopEnv(TextEnv):
             return f"click[{NEXT}]"
         if page < self.page_no:
             return f"click[{PREV}]"
-        return f"click[{self.results[best]}]"
+        return f"click[{self._result_name(best % self.results_per_page + 1, self.results[best])}]"
 
     def _best_index(self) -> Optional[int]:
         """Index in the current results of the first product that can give reward 1 (None: none)."""

@@ -130,16 +130,17 @@ def test_expert_walkthrough_of_a_test_task(env):
     s = env.step("search[blue organic wool sweater]")
     assert s.observation.split("\n") == [
         'Results page 1/5 for "blue organic wool sweater":',
-        "[p184] organic slim fit wool sweater $66",
-        "[p274] organic striped linen duvet cover $87",
-        "[p343] organic plain microfiber sheet set $43",
+        "[1] organic slim fit wool sweater $66",
+        "[2] organic striped linen duvet cover $87",
+        "[3] organic plain microfiber sheet set $43",
         "[next >] [back to search]"]
     assert env.state_key() == ("results", "blue organic wool sweater", 1)
     assert s.info["progress"] == 0.0 and s.reward == 0.0
-    assert env.expert_action() == "click[p184]"
-    s = env.step("click[p184]")
+    assert env.expert_action() == "click[1]"
+    s = env.step("click[1]")
+    assert env.item == "p184"
     assert s.observation.split("\n") == [
-        "Item [p184] organic slim fit wool sweater $66",
+        "Item: organic slim fit wool sweater $66",
         "color: [white] [red] [blue] [pink]",
         "size: [m] [l] [xl]",
         "[< prev] [back to search] [buy now]"]
@@ -152,34 +153,34 @@ def test_expert_walkthrough_of_a_test_task(env):
     assert env.expert_action() == "click[buy now]"
     s = env.step("click[buy now]")
     assert s.done and s.reward == 1.0 and s.info["success"] is True and s.info["progress"] == 1.0
-    assert s.observation == "You bought [p184] organic slim fit wool sweater $66 (blue, l). Reward 1.00."
+    assert s.observation == "You bought organic slim fit wool sweater $66 (blue, l). Reward 1.00."
     assert env.state_key() == ("bought", "p184", (("color", "blue"), ("size", "l")))
     assert env.turn == 5
 
 
 def test_partial_and_wrong_purchases(env):
     env.reset("test-1")
-    for a in ["search[blue organic wool sweater]", "click[p184]", "click[blue]", "click[buy now]"]:
+    for a in ["search[blue organic wool sweater]", "click[1]", "click[blue]", "click[buy now]"]:
         s = env.step(a)
     assert s.done and s.reward == pytest.approx(0.8) and s.info["success"] is False  # (2 + 1 + 1) / 5
     assert s.info["reward_parts"] == dict(r_type=1.0, attributes=2, options=1, price=True, product="p184",
                                           target="p184")
     env.reset("test-1")
-    for a in ["search[blue organic wool sweater]", "click[p274]", "click[blue]", "click[buy now]"]:
+    for a in ["search[blue organic wool sweater]", "click[2]", "click[blue]", "click[buy now]"]:
         s = env.step(a)
     assert s.done and s.reward == 0.0  # a duvet cover: another category
 
 
 def test_choosing_again_replaces_the_option(env):
     env.reset("test-1")
-    for a in ["search[blue organic wool sweater]", "click[p184]", "click[red]", "click[m]", "click[blue]"]:
+    for a in ["search[blue organic wool sweater]", "click[1]", "click[red]", "click[m]", "click[blue]"]:
         env.step(a)
     assert env.chosen == {"color": "blue", "size": "m"}
     assert "chosen: blue, m" in env.render()
 
 
 def test_paging_and_going_back(env):
-    env.reset("test-15")  # target p253 is the 7th result: page 3
+    env.reset("test-15")  # target p253 is the 7th result: page 3, first line
     env.step("search[black zip up puffer jacket]")
     assert env.expert_action() == "click[next >]"
     s = env.step("click[next >]")
@@ -187,8 +188,9 @@ def test_paging_and_going_back(env):
     assert "[< prev] [next >] [back to search]" in s.observation
     assert env.state_key() == ("results", "black zip up puffer jacket", 2)
     env.step("click[next >]")
-    assert env.expert_action() == "click[p253]"
-    env.step("click[p253]")
+    assert env.expert_action() == "click[1]"
+    env.step("click[1]")
+    assert env.item == "p253"
     env.step("click[black]")
     s = env.step("click[< prev]")  # back to the results page it came from; choices are dropped
     assert env.state_key() == ("results", "black zip up puffer jacket", 3) and env.chosen == {}
@@ -238,18 +240,18 @@ def test_search_ranking_matches_an_independent_count(env):
 
 def test_invalid_actions_keep_the_page(env):
     env.reset("test-1")
-    s = env.step("click[p184]")  # nothing to click on the search page
+    s = env.step("click[1]")  # nothing to click on the search page
     assert s.info["invalid"] and not s.done and env.state_key() == ("search",)
     assert s.observation.endswith("Search page. Type search[words].")
     env.step("search[blue organic wool sweater]")
     key = env.state_key()
-    for text in ["buy the sweater", "click[p999]", "click[blue]", "search[]", "search[  ,, ]", "click p184",
+    for text in ["buy the sweater", "click[4]", "click[0]", "click[p184]", "click[blue]", "search[]", "search[  ,, ]", "click p184",
                  "search[a] click[b]", "click[[p184]]", "", "😀"]:
         s = env.step(text)
         assert s.info["invalid"] is True and s.done is False and s.reward == 0.0, text
         assert env.state_key() == key, text
         assert s.observation.startswith("Invalid action:")
-    assert env.turn == 12  # 1 invalid click, 1 search, 10 invalid texts
+    assert env.turn == 14  # 1 invalid click, 1 search, 12 invalid texts
 
 
 def test_action_forms():
@@ -263,15 +265,31 @@ def test_action_forms():
     env.reset("test-1")
     assert env.step("<think>search first</think><action>search[blue organic wool sweater]</action>").info[
         "invalid"] is False
-    assert env.step("click[P184]").info["invalid"] is False and env.item == "p184"
+    assert env.step("click[ 1 ]").info["invalid"] is False and env.item == "p184"
     assert env.step("click[BLUE]").info["invalid"] is False
     assert env.step("click[Buy]").done is True  # alias of [buy now]
+
+
+def test_products_clicked_by_id():
+    env = envs.make("webshop", click_items="id")
+    env.reset("test-1")
+    s = env.step("search[blue organic wool sweater]")
+    assert s.observation.split("\n")[1:4] == ["[p184] organic slim fit wool sweater $66",
+                                              "[p274] organic striped linen duvet cover $87",
+                                              "[p343] organic plain microfiber sheet set $43"]
+    assert env.expert_action() == "click[p184]"
+    assert env.step("click[1]").info["invalid"] is True
+    s = env.step("click[P184]")
+    assert s.info["invalid"] is False and s.observation.startswith("Item: [p184] organic slim fit wool sweater $66")
+    assert "[p042]" in env.system_prompt and env.version != envs.make("webshop").version
+    wins = sum(run_expert(env, t).info["success"] for t in env.task_ids("test")[:50])
+    assert wins == 50
 
 
 def test_search_from_an_item_page(env):
     env.reset("test-1")
     env.step("search[sweater]")
-    env.step(f"click[{env.results[0]}]")
+    env.step("click[1]")
     s = env.step("search[blue organic wool sweater]")
     assert s.info["invalid"] is False and env.state_key() == ("results", "blue organic wool sweater", 1)
 
@@ -287,13 +305,13 @@ def test_truncation_after_15_steps(env):
 def test_prompt_is_compact_and_complete(env):
     env.reset("test-15")
     for a in ["search[black zip up puffer jacket]", "click[zzz]", "click[next >]", "click[next >]",
-              "click[p253]"]:
+              "click[1]"]:
         env.step(a)
     user = env.messages()[1]["content"]
     lines = user.split("\n")
     assert lines[1] == "Instruction: i am looking for a black zip up puffer jacket, size xl, under $130"
     # the last 4 actions, the invalid one marked
-    assert lines[2] == "Past actions: ... click[zzz] (invalid) | click[next >] | click[next >] | click[p253]"
+    assert lines[2] == "Past actions: ... click[zzz] (invalid) | click[next >] | click[next >] | click[1]"
     assert "\n".join(lines[3:-1]) == env.render()
     assert lines[-1] == "Step 6 of 15."
     assert env.system_prompt.endswith(envs.INSTRUCT_FORMAT)
@@ -317,7 +335,7 @@ def test_without_the_task_line_the_instruction_stays():
 
 def test_bad_options_and_task_ids():
     for kw in [dict(results_per_page=0), dict(max_results=2, results_per_page=3), dict(max_steps=3),
-               dict(history=-1)]:
+               dict(history=-1), dict(click_items="title")]:
         with pytest.raises(ValueError):
             envs.make("webshop", **kw)
     env = envs.make("webshop")
