@@ -195,6 +195,23 @@ def test_end_to_end_base_agent_llm_prm(run_method):
     assert summary["base_unchanged"] is True
 
 
+def test_end_to_end_single_agent_thought_strategist(run_method):
+    # WebShop-lite through the "Thought:" strategist and the base agent (micro model: gibberish, must run)
+    import envs
+
+    if "webshop" not in envs.available():
+        pytest.skip("envs/webshop.py not in this checkout")
+    run_dir = run_method("epo.py", "--env-id", "webshop", "--agent", "base", "--prm", "rule", "--num-iterations", "1",
+                         "--episodes-per-iteration", "2", "--eval-num-tasks", "1", "--torch-threads", "1",
+                         "--lora-r", "8", "--lora-alpha", "8", "--max-new-tokens", "8", "--agent-max-new-tokens", "8")
+    summary = assert_run_outputs(run_dir)
+    ev = summary["last_eval"]
+    assert 0 <= ev["eval/success"] <= 1 and 0 <= ev["eval/return"] <= 1 and ev["eval/episode_length"] >= 1
+    assert not any(k.startswith("eval/vs_") for k in ev)
+    recs = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert any(r["tag"] == "train" and r["player"] == "agent" for r in recs)
+
+
 @pytest.mark.parametrize("flags, words", [
     (["--env-id", "sokoban", "--agent", "rule"], ["--agent rule", "--agent base"]),
     (["--train-opponent", "rule:nobody"], ["--train-opponent", "tough"]),
