@@ -307,13 +307,14 @@ def _check_credit_rows(run_dir):
 
 
 def test_end_to_end_bargaining_selfplay(run_method):
-    run_dir = run_method("aria.py", *SMALL, "--env-id", "bargaining", "--game-reward", "payoff")
+    run_dir = run_method("aria.py", *SMALL, "--env-id", "bargaining", "--game-reward", "payoff",
+                         "--eval-opponents", "fair", "tough")
     summary = assert_run_outputs(run_dir)
     assert_adapter_trained(run_dir)
     r = _check_credit_rows(run_dir)
     assert r["credit/weight_nonzero_frac"] > 0
     ev = summary["last_eval"]
-    for key in ("eval/win_rate_Alice", "eval/win_rate_Bob", "eval/win_rate_Alice_vs_fair", "eval/success_greedy"):
+    for key in ("eval/win_rate_Alice", "eval/win_rate_Bob", "eval/win_rate_Alice_vs_tough", "eval/success_greedy"):
         assert 0.0 <= ev[key] <= 1.0, key
     train = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines() if '"train"' in x]
     assert train and {t["player"] for g in train for t in g["turns"]} <= {"Alice", "Bob"}
@@ -332,8 +333,8 @@ def test_end_to_end_twenty_questions_no_aggregate(run_method):
 
 
 def test_end_to_end_negotiation_policy_encoder_ward(run_method):
-    run_dir = run_method("aria.py", *SMALL, "--env-id", "negotiation", "--embedder", "policy", "--linkage", "ward",
-                         "--eval-opponents", "fair")
+    run_dir = run_method("aria.py", *SMALL, "--games-per-iteration", "6", "--env-id", "negotiation", "--embedder",
+                         "policy", "--linkage", "ward", "--eval-opponents", "fair")
     summary = assert_run_outputs(run_dir)
     _check_credit_rows(run_dir)
     assert "eval/win_rate_Bob_vs_fair" in summary["last_eval"]
