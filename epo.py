@@ -911,6 +911,8 @@ def main(args: Args):
         raise UserError("--num-iterations must be >= 0, --episodes-per-iteration and --num-epochs >= 1")
     if not 0.0 < args.gamma <= 1.0:
         raise UserError("--gamma must be in (0, 1]")
+    if args.micro_batch_size < 1 or args.trajectories_per_step < 1 or args.eval_num_tasks < 0:
+        raise UserError("--micro-batch-size and --trajectories-per-step must be >= 1, --eval-num-tasks >= 0")
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
