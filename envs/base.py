@@ -63,10 +63,15 @@ class TextEnv:
     # Text before the first observation, e.g. the rules or the instruction of the task.
     task_prompt: str = ""
 
-    def __init__(self, history: Optional[int] = 2):
+    def __init__(self, history: Optional[int] = 2, instructions: bool = True):
+        """`history`: how many past (action, observation) pairs the user message shows (None = all).
+        `instructions=False` leaves `task_prompt` (task line, legend, action list) out of the user
+        message; the system prompt keeps it. The tiny policies use it: their chat template drops the
+        system message and they read no instructions, so the shorter prompt only saves compute."""
         if history is not None and history < 0:
             raise ValueError(f"history must be None or >= 0, got {history}")
         self.history = history
+        self.instructions = bool(instructions)
         self.turn = 0
         self.done = False
         self.trajectory: list[tuple[str, str]] = []  # (action text as parsed, observation)
@@ -109,7 +114,7 @@ class TextEnv:
     def messages(self) -> list[dict]:
         """Chat messages for the current turn: system prompt, then one user message with the task,
         the last `history` (action, observation) pairs and the current observation."""
-        parts = [self.task_prompt] if self.task_prompt else []
+        parts = [self.task_prompt] if self.task_prompt and self.instructions else []
         past = self.trajectory[:-1]
         if self.history is not None:
             past = past[-self.history:] if self.history else []

@@ -16,7 +16,8 @@ generated lazily in index order and kept in memory (a module-level cache shared 
 
 Observation: the grid, one symbol per cell, rows on separate lines: `#` wall, `_` floor, `P` player,
 `B` box, `T` target, `*` box on target, `Q` player on target. The legend and the admissible actions
-are in `task_prompt`, which heads every user message (`messages()`), so history entries stay compact.
+are in `task_prompt`, which heads every user message (`messages()`), so history entries stay compact
+(`instructions=False` drops it there, for the tiny policies, which read no instructions).
 
 Actions: up, down, left, right (case-insensitive; aliases such as "move up", "go left", "push down",
 "u", "north" are accepted). Walking or pushing into a wall or a blocked box is a valid move that
@@ -281,7 +282,8 @@ class SokobanEnv(TextEnv):
     """Sokoban in a small room. Options:
 
     size: room side including the border walls (6 -> a 4x4 interior, as in the papers).
-    num_boxes: boxes (and targets), 1-3.
+    num_boxes: boxes (and targets), 1-3 (the tiny policy's recipe uses 1: its 0.6M-parameter model learned
+        almost nothing of 2-box rooms within its build budget).
     min_solution_len, max_solution_len: optimal solution length range of the levels, in moves.
     min_floor: each room's interior is floor in a uniform fraction in [min_floor, 1] of its cells,
         the rest interior walls (1.0: open rooms only).
@@ -290,6 +292,8 @@ class SokobanEnv(TextEnv):
     num_train, num_test: how many levels per split.
     seed: level-generation seed.
     history: (action, observation) pairs shown in the prompt (None = all).
+    instructions: False leaves the task line, legend and action list out of the user message
+        (the system prompt keeps them); the tiny policy's recipe uses it to halve its prompt.
     """
 
     env_id = "sokoban"
@@ -297,8 +301,8 @@ class SokobanEnv(TextEnv):
     def __init__(self, size: int = 6, num_boxes: int = 2, min_solution_len: int = 5,
                  max_solution_len: int = 12, min_floor: float = 0.8, max_steps: int = 15,
                  reward: str = "sparse", num_train: int = 5000, num_test: int = 200, seed: int = 0,
-                 history: Optional[int] = 2):
-        super().__init__(history=history)
+                 history: Optional[int] = 2, instructions: bool = True):
+        super().__init__(history=history, instructions=instructions)
         if not 4 <= size <= 12:
             raise ValueError(f"size must be in 4..12 (room side including walls), got {size}")
         if not 1 <= num_boxes <= 3:

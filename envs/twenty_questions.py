@@ -433,8 +433,8 @@ class TwentyQuestionsEnv(TextEnv):
         "a property it does not know). You have at most 20 questions. " + INSTRUCT_FORMAT
     )
 
-    def __init__(self, history: Optional[int] = None, show_candidates: int = 5):
-        super().__init__(history=history)
+    def __init__(self, history: Optional[int] = None, show_candidates: int = 5, instructions: bool = True):
+        super().__init__(history=history, instructions=instructions)
         if show_candidates < 0:
             raise ValueError(f"show_candidates must be >= 0, got {show_candidates}")
         self.show_candidates = int(show_candidates)
@@ -535,7 +535,7 @@ class TwentyQuestionsEnv(TextEnv):
 
     # -- prompt --------------------------------------------------------------------------------
     def messages(self) -> list[dict]:
-        parts = [self.task_prompt]
+        parts = [self.task_prompt] if self.instructions else []
         items = list(enumerate(self.trajectory, 1))
         if self.history is not None:
             items = items[-self.history:] if self.history else []

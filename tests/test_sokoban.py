@@ -217,14 +217,15 @@ def _independent_bfs(grid: str) -> int:
     return -1
 
 
-def test_levels_have_the_promised_solution_lengths():
-    env = SokobanEnv()
+@pytest.mark.parametrize("num_boxes", [1, 2])
+def test_levels_have_the_promised_solution_lengths(num_boxes):
+    env = SokobanEnv(num_boxes=num_boxes)
     ids = env.task_ids("test")[:40] + env.task_ids("train")[:40]
     for tid in ids:
         level = env.get_level(tid)
         assert 5 <= level.opt_len <= 12
         assert _independent_bfs(level.grid()) == level.opt_len, tid
-        assert len(level.boxes) == 2 and set(level.boxes) != set(level.targets)
+        assert len(level.boxes) == num_boxes and set(level.boxes) != set(level.targets)
         assert parse_grid(level.grid()).grid() == level.grid()
 
 
