@@ -663,22 +663,6 @@ def save_adapter(model, run_dir: Path):
 # ----------------------------------------------------------------------------------------------
 # 6. Main loop
 # ----------------------------------------------------------------------------------------------
-def tiny_recipe(model_name, env_id, tiny_preset):
-    """The build recipe of a tiny policy ("tiny" or a directory with tiny_meta.json); None otherwise."""
-    if model_name == "tiny":
-        from common.models import UserError
-        from common.tiny import full_recipe
-
-        try:
-            return full_recipe(env_id, tiny_preset)
-        except ValueError as e:
-            raise UserError(str(e)) from None
-    meta = Path(model_name) / "tiny_meta.json"
-    if meta.is_file():
-        return json.loads(meta.read_text()).get("recipe") or {}
-    return None
-
-
 def make_env_factory(env_id, env_kwargs, max_turns, what):
     """A function that builds the env (user errors -> UserError) and one probe instance."""
     import envs
@@ -706,7 +690,7 @@ def make_env_factory(env_id, env_kwargs, max_turns, what):
 
 
 def main(args: Args):
-    from common.models import UserError, load_policy
+    from common.models import UserError, load_policy, policy_env_kwargs
 
     t_start = time.time()
     if args.torch_threads > 0:
@@ -723,9 +707,8 @@ def main(args: Args):
     rng = np.random.default_rng(args.seed)
 
     # a tiny policy was trained on prompts rendered with its recipe's env options: use the same ones
-    recipe = tiny_recipe(args.model_name, args.env_id, args.tiny_preset)
-    is_tiny = recipe is not None
-    env_kwargs = dict(recipe.get("env_kwargs") or {}) if is_tiny and recipe.get("env_id", args.env_id) == args.env_id else {}
+    env_kwargs = policy_env_kwargs(args.model_name, args.env_id, args.tiny_preset)
+    is_tiny = args.model_name == "tiny" or (Path(args.model_name).expanduser() / "tiny_meta.json").is_file()
     if args.history is not None:
         env_kwargs["history"] = args.history
     make_env, probe = make_env_factory(args.env_id, env_kwargs, args.max_turns, "env")

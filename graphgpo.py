@@ -107,7 +107,7 @@ class Args:
     activation_checkpointing: bool = False
     """activation checkpointing in the training forward (saves GPU memory on real models)"""
     max_new_tokens: Optional[int] = None
-    """most tokens generated per turn; None: 8 for the tiny policy, 512 otherwise (paper: 512)"""
+    """most tokens generated per turn; None: the tiny recipe's (Sokoban 4) for the tiny policy, 512 otherwise (paper: 512)"""
     temperature: float = 1.0
     """sampling temperature of the rollouts (paper: 1.0)"""
     eval_temperature: float = 0.4
@@ -116,8 +116,9 @@ class Args:
     # environment
     env_id: str = "sokoban"
     """training env (needs env.state_key(): sokoban, alfworld, webshop, ...)"""
-    history: Optional[int] = 2
-    """past (action, observation) pairs shown in the prompt (paper: 2); None: all"""
+    history: Optional[int] = None
+    """past (action, observation) pairs shown in the prompt; None: the policy's (a tiny policy's recipe, 0 on
+    Sokoban) or else the env's default (Sokoban: 2, as the paper)"""
     max_turns: int = 0
     """most steps per episode (0: the env's default; paper: 15 Sokoban/WebShop, 50 ALFWorld)"""
     eval_num_tasks: int = 100
@@ -648,7 +649,7 @@ def save_adapter(model, run_dir: Path):
 # ----------------------------------------------------------------------------------------------
 # 6. Main loop
 # ----------------------------------------------------------------------------------------------
-def make_env_factory(env_id, history, max_turns):
+def make_env_factory(env_id, env_kwargs, max_turns):
     """A function that builds the env (user errors -> UserError) and one probe instance."""
     import envs
     from common.models import UserError
@@ -658,7 +659,7 @@ def make_env_factory(env_id, history, max_turns):
                         f"available env ids: {', '.join(envs.available()) or 'none'}")
     if env_id in getattr(envs, "TWO_PLAYER", ()):
         raise UserError(f"env {env_id!r} is a two-player game; GraphGPO needs a single-agent env such as sokoban")
-    kw = {"history": history}
+    kw = dict(env_kwargs)
 
     def make():
         env = envs.make(env_id, **kw)
@@ -737,7 +738,7 @@ def credit(eps, args, omega):
 
 
 def main(args: Args):
-    from common.models import UserError, load_policy
+    from common.models import UserError, load_policy, policy_env_kwargs
 
     t_start = time.time()
     if args.torch_threads > 0:
@@ -758,14 +759,25 @@ def main(args: Args):
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
 
-    make_env, probe = make_env_factory(args.env_id, args.history, args.max_turns)
+    # a tiny policy was trained on prompts rendered with its recipe's env options: use the same ones
+    env_kwargs = policy_env_kwargs(args.model_name, args.env_id, args.tiny_preset)
+    if args.history is not None:
+        env_kwargs["history"] = args.history
+    make_env, probe = make_env_factory(args.env_id, env_kwargs, args.max_turns)
     train_tasks = list(probe.task_ids("train"))
     test_tasks = list(probe.task_ids("test"))
     if args.eval_num_tasks:
         test_tasks = test_tasks[: args.eval_num_tasks]
     tiny = args.model_name == "tiny"
     lr = args.learning_rate if args.learning_rate is not None else (5e-4 if tiny else 1e-5)
-    max_new = args.max_new_tokens or (8 if tiny else 512)
+    if args.max_new_tokens:
+        max_new = args.max_new_tokens
+    elif tiny:  # the tiny recipe's budget fits the env's longest action (Sokoban 4, ALFWorld/WebShop 24)
+        from common.tiny import full_recipe
+
+        max_new = full_recipe(args.env_id, args.tiny_preset)["max_new_tokens"]
+    else:
+        max_new = 512
 
     model, tok = load_policy(args.model_name, env_id=args.env_id, tiny_preset=args.tiny_preset,
                              load_in_4bit=args.load_in_4bit, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
@@ -778,7 +790,7 @@ def main(args: Args):
     run_dir.mkdir(parents=True, exist_ok=True)
     print(f"run dir: {run_dir}")
     config = {**asdict(args), "resolved_learning_rate": lr, "resolved_omega": omega, "resolved_max_new_tokens": max_new,
-              "max_turns_resolved": probe.max_turns, "num_train_tasks": len(train_tasks), "num_test_tasks": len(test_tasks)}
+              "max_turns_resolved": probe.max_turns, "env_kwargs": env_kwargs, "num_train_tasks": len(train_tasks), "num_test_tasks": len(test_tasks)}
     (run_dir / "config.json").write_text(json.dumps(config, indent=2))
     logger = Logger(run_dir, args.track)
 

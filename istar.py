@@ -112,7 +112,7 @@ class Args:
     activation_checkpointing: bool = False
     """activation checkpointing in the training forward (saves GPU memory on real models)"""
     max_new_tokens: int = 0
-    """most tokens generated per step; 0: 8 for the tiny policy, 512 (paper) for a real model"""
+    """most tokens generated per turn (0: the tiny recipe's, Sokoban 4, for the tiny policy; 512 otherwise)"""
     temperature: float = 1.0
     """sampling temperature of the rollouts (paper: 1.0)"""
     eval_temperature: float = 1.0
@@ -122,7 +122,8 @@ class Args:
     env_id: str = "sokoban"
     """training and evaluation env"""
     history: Optional[int] = None
-    """past (action, observation) pairs shown in the prompt; None: the env's default"""
+    """past (action, observation) pairs shown in the prompt; None: the policy's (a tiny policy's recipe, 0 on
+    Sokoban) or else the env's default"""
     max_turns: int = 0
     """most steps per episode (0: the env's default; paper: 15 on Sokoban, 10 on WebShop)"""
     opponent: str = "rule:fair"
@@ -643,12 +644,15 @@ def save_adapters(model, run_dir: Path):
 def make_env_factory(args):
     """A function that builds the env (user errors -> UserError) and one probe instance."""
     import envs
-    from common.models import UserError
+    from common.models import UserError, policy_env_kwargs
 
     if args.env_id not in envs.available():
         raise UserError(f"env {args.env_id!r} is not available in this checkout; available env ids: "
                         f"{', '.join(envs.available())}")
-    kw = {} if args.history is None else {"history": args.history}
+    # a tiny policy was trained on prompts rendered with its recipe's env options: use the same ones
+    kw = policy_env_kwargs(args.model_name, args.env_id, args.tiny_preset)
+    if args.history is not None:
+        kw["history"] = args.history
 
     def make():
         env = envs.make(args.env_id, **kw)
@@ -694,7 +698,14 @@ def main(args: Args):
     tiny = args.model_name == "tiny"
     lr = args.learning_rate if args.learning_rate is not None else (5e-4 if tiny else 1e-5)
     prm_lr = args.prm_learning_rate if args.prm_learning_rate is not None else 2 * lr
-    max_new = args.max_new_tokens or (8 if tiny else 512)
+    if args.max_new_tokens:
+        max_new = args.max_new_tokens
+    elif tiny:  # the tiny recipe's budget fits the env's longest action (Sokoban 4, ALFWorld/WebShop 24)
+        from common.tiny import full_recipe
+
+        max_new = full_recipe(args.env_id, args.tiny_preset)["max_new_tokens"]
+    else:
+        max_new = 512
     use_prm = args.alpha != 0
 
     model, tok = load_policy(args.model_name, env_id=args.env_id, tiny_preset=args.tiny_preset,

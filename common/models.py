@@ -146,6 +146,31 @@ def _resolve(name: str, env_id: Optional[str], tiny_preset: str,
     return name, False
 
 
+def policy_env_kwargs(model_name_or_path: str, env_id: str, tiny_preset: str = "default",
+                      tiny_overrides: Optional[dict] = None) -> dict:
+    """The env options a policy was trained with, to build the envs of a run with: a tiny policy
+    ("tiny", or a directory holding a tiny_meta.json) saw prompts rendered with its recipe's
+    `env_kwargs` (e.g. Sokoban without instruction text and history); {} for any other model, or when
+    the tiny policy was built for another env. A bad env id or preset -> UserError."""
+    recipe = None
+    if model_name_or_path == "tiny":
+        from common import tiny
+
+        try:
+            recipe = tiny.full_recipe(env_id, tiny_preset, tiny_overrides)
+        except (ValueError, TypeError) as e:
+            raise UserError(f"tiny policy: {_first_line(e)}") from None
+    else:
+        meta = Path(str(model_name_or_path)).expanduser() / "tiny_meta.json"
+        if meta.is_file():
+            import json
+
+            recipe = json.loads(meta.read_text()).get("recipe") or {}
+    if not recipe or recipe.get("env_id", env_id) != env_id:
+        return {}
+    return dict(recipe.get("env_kwargs") or {})
+
+
 def _check_hub_reachable(repo_id: str) -> None:
     """Fail at once, with one line, for a hub id that is neither cached nor downloadable because there is
     no network (instead of huggingface_hub's retries, about 20 s of log lines, then an OSError)."""

@@ -325,8 +325,11 @@ def test_end_to_end_istar(run_method):
     rows = [r for r in read_metrics(run_dir) if "charts/success" in r]
     assert len(rows) == 2
     for r in rows:
-        assert math.isfinite(r["losses/policy_loss"]) and r["credit/prm_pairs"] >= 1
-        assert 0.0 <= r["credit/prm_pair_acc"] <= 1.0
+        assert math.isfinite(r["losses/policy_loss"])
+    # which groups hold both a success and a failure depends on the sampled episodes; at least one
+    # iteration must have had pairs (the PRM adapter is checked as trained above)
+    paired = [r for r in rows if r["credit/prm_pairs"] >= 1]
+    assert paired and all(0.0 <= r["credit/prm_pair_acc"] <= 1.0 for r in paired)
     for key in ("eval/success", "eval/success_greedy"):
         assert 0.0 <= summary["last_eval"][key] <= 1.0
     assert set(adapter_tensors(run_dir)) != set() and set(adapter_tensors(run_dir, "prm")) != set()
