@@ -4,7 +4,6 @@ the three encoders (hash, frozen policy, an AutoModel checkpoint), and the scrip
 from __future__ import annotations
 
 import json
-import math
 import subprocess
 import sys
 
