@@ -46,6 +46,7 @@ The answerer (`parse_question` + `GuessMyCityEnv._step`) reads a question as fol
    The answer is **Yes** or **No**.
 7. **Repeated**: the same normalised text as an earlier valid question. Invalid and Repeated answers
    still use a turn (`info["invalid"]` / `info["repeated"]` are set; refusals set `info["refused"]`).
+   An invalid question is answered "Invalid: <reason>." (e.g. "Invalid: negated question.").
 
 State and progress. What the agent knows is, per table attribute (continent, country, coast,
 capital, population, climate, language, hemisphere), the set of values still possible (an open
@@ -63,7 +64,7 @@ first, then yes/no questions, in `canonical_questions` order) whose answers spli
 the highest entropy (ties: the first), and guesses when no question splits them (cities with the same
 attributes in the same country do not exist in the table, so a country question always splits).
 
-Prompt. The user message is the task line with the canonical question forms (`show_questions`), the
+Prompt. The user message is the task line with the question topics (`show_questions`), the
 numbered list of questions and answers so far (all of them with the default `history=None`), the
 list of still possible cities once at most `show_candidates` are left (0 turns it off), and the turn
 counter.
@@ -552,10 +553,8 @@ class GuessMyCityEnv(TextEnv):
     version = VERSION
     max_turns = MAX_QUESTIONS
     task_prompt = "Guess My City: find my home city."
-    questions_prompt = ("Ask e.g. Which continent is your city in? What language do people speak in your city? "
-                        "What is the climate of your city? How many people live in your city? "
-                        "Which sea or ocean is your city on? Is your city a capital? Is your city in <country>? "
-                        "Guess with: Is your city <city>?")
+    questions_prompt = ("Ask about its continent, language, climate, population, sea, hemisphere, capital, "
+                        "country, landmark or food; guess with: Is your city <city>?")
     system_prompt = (
         "You are playing Guess My City: find the other player's home city within 20 questions. The city "
         "is one of about 160 well-known cities on every continent. Each turn ask exactly one question. Open "
@@ -620,7 +619,7 @@ class GuessMyCityEnv(TextEnv):
             answer = REPEATED
             info["repeated"] = True
         elif parsed.kind == "invalid":
-            answer = f"Invalid question ({parsed.reason})."
+            answer = f"Invalid: {parsed.reason}."
             info["invalid"] = True
             info["reason"] = parsed.reason
         elif parsed.kind == "refuse":

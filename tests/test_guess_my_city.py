@@ -191,7 +191,7 @@ def test_invalid_forms(env, text, reason):
     assert parse_question(text).reason == reason
     env.reset("Paris")
     step = env.step(text)
-    assert step.observation == f"Invalid question ({reason})." and step.info["invalid"] and not step.done
+    assert step.observation == f"Invalid: {reason}." and step.info["invalid"] and not step.done
     assert step.reward == 0.0 and env.turn == 1 and env.state_key() == frozenset()
 
 
@@ -264,7 +264,7 @@ def test_huge_and_odd_inputs_are_invalid_and_use_a_turn(env):
     env.reset("Paris")
     for i, text in enumerate(["x" * 100_000, "Is your city Paris?" * 500, "\x00\u202e", "\ud800", None, 42], 1):
         step = env.step(text)
-        assert step.info["invalid"] and step.observation.startswith("Invalid question") and env.turn == i
+        assert step.info["invalid"] and step.observation.startswith("Invalid: ") and env.turn == i
 
 
 # ----------------------------------------------------------------------------------------------
@@ -383,13 +383,13 @@ def test_messages_list_questions_history_and_few_candidates():
     env = envs.make("guess_my_city")
     env.reset("Paris")
     user = env.messages()[1]["content"]
-    assert user.startswith("Guess My City") and "Which continent is your city in?" in user
+    assert user.startswith("Guess My City") and "continent, language, climate" in user
     assert "Is your city <city>?" in user and "No questions asked yet." in user and "Question 1 of 20:" in user
     play(env, "Paris", ["Which continent is your city in?", "Is your city a capital?", "Is your city happy?",
                         "Do people in your city speak French?"])
     user = env.messages()[1]["content"]
     assert "1. Q: Which continent is your city in? A: My city is in Europe." in user
-    assert "3. Q: Is your city happy? A: Invalid question (nothing understood)." in user
+    assert "3. Q: Is your city happy? A: Invalid: nothing understood." in user
     assert "Possible cities: Paris, Brussels." in user and "Question 5 of 20:" in user
     assert env.target == "Paris"
     short = envs.make("guess_my_city", history=2, show_candidates=0, show_questions=False)
