@@ -210,8 +210,8 @@ OPEN_PHRASES: list[tuple[str, str, bool]] = [
     (r"where|located|situated|location", "continent", False),
     (r"languages?|speak|spoken|tongue|dialects?", "language", True),
     (r"climate|weather|temperatures?|seasons?|rain(?:fall|y)?|hot|cold|warm|humid(?:ity)?|snow", "climate", True),
-    (r"population|how many (?:people|inhabitants|residents|citizens|persons)|how (?:big|large|populous|populated|small)|"
-     r"size|inhabitants|residents|populous|populated", "population", True),
+    (r"population|how many (?:people|inhabitants|residents|citizens|persons)|"
+     r"how (?:big|large|populous|populated|small)|size|inhabitants|residents|populous|populated", "population", True),
     (r"seas?|oceans?|coast(?:al|line)?|bod(?:y|ies) of water|bay|gulf|shore|beach(?:es)?|port|waterfront|"
      r"coast or inland|inland or (?:on the )?coast", "coast", True),
     (r"hemispheres?|equator|latitude|north or south|south or north", "hemisphere", True),
@@ -243,8 +243,8 @@ _AUX = ("is", "are", "does", "do", "can", "could", "has", "have", "will", "would
         "should", "may", "might", "shall", "am")
 _WH = ("what", "whats", "which", "where", "wheres", "when", "why", "who", "whose", "how", "hows", "tell",
        "describe", "name", "give", "list", "share")
-_SECOND_Q = re.compile(r"\b(?:and|or|but|also)\s+(?:(?:" + "|".join(_AUX) + r")\s+(?:it|they|this|that|you|its|your|the|there)"
-                       r"|what|which|where|how|who|when|why)\b")
+_SECOND_Q = re.compile(r"\b(?:and|or|but|also)\s+(?:(?:" + "|".join(_AUX)
+                       + r")\s+(?:it|they|this|that|you|its|your|the|there)|what|which|where|how|who|when|why)\b")
 _NEGATION = re.compile(r"\b(?:not|never|no|nor|neither|none|isnt|arent|doesnt|dont|cant|cannot|wasnt|werent|"
                        r"hasnt|havent|wont|wouldnt|couldnt|shouldnt|didnt|aint)\b")
 _PREFIX = re.compile(r"^\s*(?:question|q|my question|ask)\s*\d*\s*[:\-]\s*")
@@ -337,8 +337,8 @@ def load_table() -> Table:
         for form in [c] + [v for v in rows[c]["variants"].split(";") if v]:
             key = _match_form(form).replace(" ", "")
             assert surface.setdefault(key, c) == c, f"name {form!r} names both {surface[key]!r} and {c!r}"
-    common.append((_compile(_names_rx([c for c in cities] + [v for c in cities for v in rows[c]["variants"].split(";") if v])),
-                   "city", surface))
+    all_forms = list(cities) + [v for c in cities for v in rows[c]["variants"].split(";") if v]
+    common.append((_compile(_names_rx(all_forms)), "city", surface))
     for c in countries:
         common.append((_compile(_names_rx([c] + names["countries"][c]["variants"])), "country", frozenset({c})))
     for group, members in names.get("country_groups", {}).items():
@@ -416,7 +416,8 @@ def parse_question(text) -> Parsed:
     if not body:
         return Parsed("invalid", reason="nothing understood")
     words = body.split(" ")
-    first = words[1] if words[0] in ("in", "on", "at", "from", "of", "to", "and", "so", "ok", "okay") and len(words) > 1 else words[0]
+    lead = ("in", "on", "at", "from", "of", "to", "and", "so", "ok", "okay")   # "In which continent ..."
+    first = words[1] if words[0] in lead and len(words) > 1 else words[0]
     if first in _WH:
         form = "open"
     elif first in _AUX or t.rstrip(" \"')*").endswith("?"):

@@ -51,7 +51,8 @@ def test_table_shape_and_values():
         assert r["continent"] in ("Africa", "Asia", "Europe", "North America", "Oceania", "South America")
         assert r["capital"] in ("0", "1") and r["hemisphere"] in ("N", "S") and r["split"] in ("train", "test")
         assert r["population"] in ("under_1m", "1m_5m", "5m_10m", "over_10m")
-        assert r["climate"] in ("tropical", "arid", "mediterranean", "subtropical", "oceanic", "continental", "highland")
+        assert r["climate"] in ("tropical", "arid", "mediterranean", "subtropical", "oceanic", "continental",
+                                "highland")
         assert r["country"] in names["countries"] and r["language"] in names["languages"]
         assert r["coast"] == "inland" or r["coast"] in names["waters"]
     capitals = Counter(r["country"] for r in rows if r["capital"] == "1")
@@ -86,7 +87,8 @@ def test_cities_differ_in_some_attribute():
     ("Paris", "capital", "1"), ("Paris", "coast", "inland"), ("Sydney", "capital", "0"), ("Canberra", "capital", "1"),
     ("Tokyo", "coast", "Pacific Ocean"), ("Cairo", "climate", "arid"), ("Rio de Janeiro", "hemisphere", "S"),
     ("Barcelona", "coast", "Mediterranean Sea"), ("Mumbai", "language", "Marathi"), ("Istanbul", "capital", "0"),
-    ("Mexico City", "climate", "highland"), ("Lagos", "population", "over_10m"), ("Reykjavik", "population", "under_1m"),
+    ("Mexico City", "climate", "highland"), ("Lagos", "population", "over_10m"),
+    ("Reykjavik", "population", "under_1m"),
     ("Montreal", "language", "French"), ("Zurich", "language", "German"), ("Nairobi", "hemisphere", "S"),
     ("Baku", "coast", "Caspian Sea"), ("Moscow", "continent", "Europe"), ("Cape Town", "climate", "mediterranean"),
 ])
@@ -113,7 +115,8 @@ def test_canonical_questions_parse_to_themselves(env):
 
 @pytest.mark.parametrize("question, topic", [
     ("What continent is your city on?", "continent"), ("Where is your city located?", "continent"),
-    ("In which part of the world is your city?", "continent"), ("What is the primary language spoken in your city?", "language"),
+    ("In which part of the world is your city?", "continent"),
+    ("What is the primary language spoken in your city?", "language"),
     ("What's the weather like in your city?", "climate"), ("How big is your city?", "population"),
     ("What is the population of your city?", "population"), ("Is your city on the coast or inland?", "coast"),
     ("Which ocean is your home city near?", "coast"), ("Is your city north or south of the equator?", "hemisphere"),
@@ -130,16 +133,23 @@ def test_open_questions(question, topic):
     ("Is the country you're thinking of located in Europe?", "continent", {"Europe"}),
     ("Is your city located in the country of Japan?", "country", {"Japan"}),
     ("Is your home city located near the coastline?", "coast", "coastal"),
-    ("Is your city inland?", "coast", {"inland"}), ("Is your city on the Mediterranean coast?", "coast", {"Mediterranean Sea"}),
-    ("Is the climate Mediterranean?", "climate", {"mediterranean"}), ("Is your city in the tropics?", "climate", {"tropical"}),
+    ("Is your city inland?", "coast", {"inland"}),
+    ("Is your city on the Mediterranean coast?", "coast", {"Mediterranean Sea"}),
+    ("Is the climate Mediterranean?", "climate", {"mediterranean"}),
+    ("Is your city in the tropics?", "climate", {"tropical"}),
     ("Does your city have more than 5 million inhabitants?", "population", {"5m_10m", "over_10m"}),
     ("Does your city have fewer than 1 million people?", "population", {"under_1m"}),
-    ("Is your city a megacity?", "population", {"over_10m"}), ("Is your city south of the equator?", "hemisphere", {"S"}),
+    ("Is your city a megacity?", "population", {"over_10m"}),
+    ("Is your city south of the equator?", "hemisphere", {"S"}),
     ("Do people speak Chinese in your city?", "language", {"Mandarin", "Cantonese"}),
-    ("Is Farsi spoken there?", "language", {"Persian"}), ("Is your city in Korea?", "country", {"South Korea", "North Korea"}),
-    ("Is your city in the U.S.?", "country", {"United States"}), ("Is your city in America?", "country", {"United States"}),
-    ("Is your city in North America?", "continent", {"North America"}), ("Is it in Holland?", "country", {"Netherlands"}),
-    ("Is your city on the Gulf of Mexico?", "coast", {"Gulf of Mexico"}), ("Is your city in Mexico?", "country", {"Mexico"}),
+    ("Is Farsi spoken there?", "language", {"Persian"}),
+    ("Is your city in Korea?", "country", {"South Korea", "North Korea"}),
+    ("Is your city in the U.S.?", "country", {"United States"}),
+    ("Is your city in America?", "country", {"United States"}),
+    ("Is your city in North America?", "continent", {"North America"}),
+    ("Is it in Holland?", "country", {"Netherlands"}),
+    ("Is your city on the Gulf of Mexico?", "coast", {"Gulf of Mexico"}),
+    ("Is your city in Mexico?", "country", {"Mexico"}),
     ("<think>narrow it</think><action>Is your city in Asia?</action>", "continent", {"Asia"}),
 ])
 def test_yes_no_questions(question, attr, yes_values):
@@ -152,7 +162,8 @@ def test_yes_no_questions(question, attr, yes_values):
 @pytest.mark.parametrize("text, city", [
     ("Is your city Tokyo?", "Tokyo"), ("Is your city Tokyo?.", "Tokyo"), ("Is the city Jakarta, Indonesia?", "Jakarta"),
     ("Tokyo", "Tokyo"), ("guess: São Paulo", "Sao Paulo"), ("My guess is Bombay, India", "Mumbai"),
-    ("Is it Xi'an?", "Xi'an"), ("Is your city Xian?", "Xi'an"), ("Question: Is your city St. Petersburg?", "Saint Petersburg"),
+    ("Is it Xi'an?", "Xi'an"), ("Is your city Xian?", "Xi'an"),
+    ("Question: Is your city St. Petersburg?", "Saint Petersburg"),
     ("Is your city Mexico City?", "Mexico City"), ("Is your city in Washington D.C.?", "Washington"),
     ("Is your city's name Kiev?", "Kyiv"), ("I think it is Paris", "Paris"), ("new york?", "New York"),
 ])
@@ -175,16 +186,22 @@ def test_naming_city_or_country_is_refused(env, text):
 
 @pytest.mark.parametrize("text, reason", [
     ("", "empty"), ("   ", "empty"), ("up", "not a question"), ("It is a nice city", "not a question"),
-    ("Is it in Asia? Is it big?", "more than one question"), ("Is it in Asia and is it a capital?", "more than one question"),
+    ("Is it in Asia? Is it big?", "more than one question"),
+    ("Is it in Asia and is it a capital?", "more than one question"),
     ("Which sea is your city on and what is its climate?", "more than one question"),
     ("Is your city in Asia? I think so.", "not a single question"), ("Is your city not in Asia?", "negated question"),
     ("Isn't your city a capital?", "negated question"), ("Is your city Tokyo or Osaka?", "several cities"),
-    ("Is your city in Asia or Europe?", "several properties"), ("Is your city a capital in Asia?", "several properties"),
-    ("Is your city on the east coast of the country?", "unsupported property"), ("Is your city a big city?", "unsupported property"),
+    ("Is your city in Asia or Europe?", "several properties"),
+    ("Is your city a capital in Asia?", "several properties"),
+    ("Is your city on the east coast of the country?", "unsupported property"),
+    ("Is your city a big city?", "unsupported property"),
     ("Is your city on a river?", "unsupported property"), ("Is your city in Southeast Asia?", "unsupported property"),
-    ("Does your city have 3 million people?", "unsupported property"), ("What river runs through your city?", "unsupported property"),
-    ("What is Tokyo famous for?", "open question about a named city"), ("What language do they speak in Japan?", "open question about a named country"),
-    ("What is the climate and population of your city?", "several questions"), ("Is your city happy?", "nothing understood"),
+    ("Does your city have 3 million people?", "unsupported property"),
+    ("What river runs through your city?", "unsupported property"),
+    ("What is Tokyo famous for?", "open question about a named city"),
+    ("What language do they speak in Japan?", "open question about a named country"),
+    ("What is the climate and population of your city?", "several questions"),
+    ("Is your city happy?", "nothing understood"),
     ("Est-ce une capitale ?", "nothing understood"), ("Is it " + "very " * 80 + "big?", "too long"),
 ])
 def test_invalid_forms(env, text, reason):
@@ -281,7 +298,8 @@ def test_state_key_is_order_and_wording_invariant():
     hash(a.state_key())
     # "No" to each other continent leaves the same knowledge as the open answer.
     c = envs.make("guess_my_city")
-    play(c, "Paris", ["Is your city in " + x + "?" for x in ["Asia", "Africa", "North America", "South America", "Oceania"]])
+    others = ["Asia", "Africa", "North America", "South America", "Oceania"]
+    play(c, "Paris", ["Is your city in " + x + "?" for x in others])
     assert c.state_key() == frozenset({("continent", ("Europe",))})
     play(b, "Paris", [])
     assert b.state_key() == frozenset()
