@@ -796,8 +796,8 @@ def tiny_recipe(model_name, env_id, tiny_preset):
 
         try:
             return full_recipe(env_id, tiny_preset)
-        except ValueError as e:
-            raise UserError(str(e)) from None
+        except (ValueError, TypeError) as e:
+            raise UserError(f"tiny policy: {e}") from None
     meta = Path(model_name).expanduser() / "tiny_meta.json"
     if meta.is_file():
         return json.loads(meta.read_text()).get("recipe") or {}
@@ -830,7 +830,7 @@ def make_env_spec(env_id, env_kwargs, max_turns):
 
 
 def main(args: Args):
-    from common.models import UserError, load_policy
+    from common.models import UserError, load_policy, policy_env_kwargs
 
     t_start = time.time()
     if args.torch_threads > 0:
@@ -849,9 +849,9 @@ def main(args: Args):
     rng = np.random.default_rng(args.seed)
 
     # a tiny policy was trained on prompts rendered with its recipe's env options: use the same ones
-    recipe = tiny_recipe(args.model_name, args.env_id, args.tiny_preset)
+    env_kwargs = policy_env_kwargs(args.model_name, args.env_id, args.tiny_preset)
+    recipe = tiny_recipe(args.model_name, args.env_id, args.tiny_preset)  # max_new_tokens of a tiny policy
     is_tiny = recipe is not None
-    env_kwargs = dict(recipe.get("env_kwargs") or {}) if is_tiny and recipe.get("env_id", args.env_id) == args.env_id else {}
     if args.history is not None:
         env_kwargs["history"] = args.history
     spec = make_env_spec(args.env_id, env_kwargs, args.max_turns)
