@@ -64,7 +64,8 @@ first, then yes/no questions, in `canonical_questions` order) whose answers spli
 the highest entropy (ties: the first), and guesses when no question splits them (cities with the same
 attributes in the same country do not exist in the table, so a country question always splits).
 
-Prompt. The user message is the task line with the question topics (`show_questions`), the
+Prompt. The user message is the task line with the question topics (left out with
+`instructions=False`, as for the tiny policies, which read no instructions), the
 numbered list of questions and answers so far (all of them with the default `history=None`), the
 list of still possible cities once at most `show_candidates` are left (0 turns it off), and the turn
 counter.
@@ -553,9 +554,8 @@ class GuessMyCityEnv(TextEnv):
     env_id = "guess_my_city"
     version = VERSION
     max_turns = MAX_QUESTIONS
-    task_prompt = "Guess My City: find my home city."
-    questions_prompt = ("Ask about its continent, language, climate, population, sea, hemisphere, capital, "
-                        "country, landmark or food; guess with: Is your city <city>?")
+    task_prompt = ("Guess My City: find my home city. Ask about its continent, language, climate, population, sea, "
+                   "hemisphere, capital, country, landmark or food; guess with: Is your city <city>?")
     system_prompt = (
         "You are playing Guess My City: find the other player's home city within 20 questions. The city "
         "is one of about 160 well-known cities on every continent. Each turn ask exactly one question. Open "
@@ -573,12 +573,11 @@ class GuessMyCityEnv(TextEnv):
         "the answerer does not know) still uses a turn. " + INSTRUCT_FORMAT
     )
 
-    def __init__(self, history: Optional[int] = None, show_candidates: int = 5, show_questions: bool = True):
-        super().__init__(history=history)
+    def __init__(self, history: Optional[int] = None, show_candidates: int = 5, instructions: bool = True):
+        super().__init__(history=history, instructions=instructions)
         if show_candidates < 0:
             raise ValueError(f"show_candidates must be >= 0, got {show_candidates}")
         self.show_candidates = int(show_candidates)
-        self.show_questions = bool(show_questions)
         self.table = load_table()
         self.cities = list(self.table.cities)
         self.yesno = canonical_yesno()
@@ -710,7 +709,7 @@ class GuessMyCityEnv(TextEnv):
 
     # -- prompt --------------------------------------------------------------------------------
     def messages(self) -> list[dict]:
-        parts = [self.task_prompt + (" " + self.questions_prompt if self.show_questions else "")]
+        parts = [self.task_prompt] if self.instructions else []
         items = list(enumerate(self.trajectory, 1))
         if self.history is not None:
             items = items[-self.history:] if self.history else []

@@ -410,12 +410,13 @@ def test_messages_list_questions_history_and_few_candidates():
     assert "3. Q: Is your city happy? A: Invalid: nothing understood." in user
     assert "Possible cities: Paris, Brussels." in user and "Question 5 of 20:" in user
     assert env.target == "Paris"
-    short = envs.make("guess_my_city", history=2, show_candidates=0, show_questions=False)
+    short = envs.make("guess_my_city", history=2, show_candidates=0, instructions=False)
     play(short, "Paris", ["Which continent is your city in?", "Is your city a capital?", "Is your city happy?",
                           "Do people in your city speak French?"])
     user = short.messages()[1]["content"]
     assert "1. Q:" not in user and "3. Q: Is your city happy?" in user and "4. Q: Do people" in user
-    assert "Possible cities" not in user and "2 earlier questions not shown" in user and "<city>" not in user
+    assert "Possible cities" not in user and "2 earlier questions not shown" in user
+    assert user.startswith("(2 earlier questions not shown)") and "Guess My City" in short.system_prompt
     with pytest.raises(ValueError):
         envs.make("guess_my_city", show_candidates=-1)
 
