@@ -216,8 +216,7 @@ class WebShopEnv(TextEnv):
 
     def __init__(self, history: Optional[int] = 4, results_per_page: int = 3, max_results: int = 15,
                  max_steps: int = MAX_STEPS, instructions: bool = True, click_items: str = "number"):
-        super().__init__(history=history)
-        self.instructions = bool(instructions)
+        super().__init__(history=history, instructions=instructions)
         if results_per_page < 1:
             raise ValueError(f"results_per_page must be >= 1, got {results_per_page}")
         if max_results < results_per_page:
@@ -324,7 +323,8 @@ class WebShopEnv(TextEnv):
         p = self.by_id[self.item]
         if self.page == "bought":
             opts = ", ".join(self.chosen[g] for g in OPTION_GROUPS if g in self.chosen) or "no options"
-            return f"You bought {self._item_name(p)}{p['title']} ${p['price']} ({opts}). Reward {self.final_reward:.2f}."
+            return (f"You bought {self._item_name(p)}{p['title']} ${p['price']} ({opts}). "
+                    f"Reward {self.final_reward:.2f}.")
         lines = [f"Item: {self._item_name(p)}{p['title']} ${p['price']}"]
         for g in OPTION_GROUPS:
             if p["options"].get(g):

@@ -245,8 +245,8 @@ def test_invalid_actions_keep_the_page(env):
     assert s.observation.endswith("Search page. Type search[words].")
     env.step("search[blue organic wool sweater]")
     key = env.state_key()
-    for text in ["buy the sweater", "click[4]", "click[0]", "click[p184]", "click[blue]", "search[]", "search[  ,, ]", "click p184",
-                 "search[a] click[b]", "click[[p184]]", "", "😀"]:
+    for text in ["buy the sweater", "click[4]", "click[0]", "click[p184]", "click[blue]", "search[]", "search[  ,, ]",
+                 "click p184", "search[a] click[b]", "click[[p184]]", "", "😀"]:
         s = env.step(text)
         assert s.info["invalid"] is True and s.done is False and s.reward == 0.0, text
         assert env.state_key() == key, text
