@@ -424,4 +424,4 @@ def test_messages_list_questions_history_and_few_candidates():
 def test_unknown_task_id_is_an_error(env):
     with pytest.raises(ValueError, match="unknown guess_my_city task id"):
         env.reset("Atlantis")
-    assert re.fullmatch(r"1\.[0-9a-f]{8}", env.version)
+    assert re.fullmatch(r"2\.[0-9a-f]{8}", env.version)
