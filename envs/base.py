@@ -158,6 +158,63 @@ class TextEnv:
         raise NotImplementedError
 
 
+class QuestionGameEnv(TextEnv):
+    """A guessing game against a rule-based answerer (Twenty Questions, Guess My City): what its prompt,
+    admissible actions and noise moves have in common. A subclass sets `canonical_questions`,
+    `guess_targets` (every guessable answer), `show_candidates`, `candidates_label` ("words",
+    "cities"), `target`, and implements `candidates()` and `guess_text(target)`.
+
+    The user message: the task line (unless `instructions=False`), the numbered questions and answers
+    of the history window, the still-possible answers once at most `show_candidates` are left, and the
+    question counter."""
+
+    canonical_questions: list = []
+    guess_targets: list = []
+    show_candidates: int = 0
+    candidates_label: str = "answers"
+    target: Optional[str] = None
+
+    def candidates(self) -> list:
+        raise NotImplementedError
+
+    def guess_text(self, target: str) -> str:
+        raise NotImplementedError
+
+    def admissible_actions(self) -> list[str]:
+        return list(self.canonical_questions) + [self.guess_text(t) for t in self.guess_targets]
+
+    def corrupt_action(self, rng) -> str:
+        """A noise move for demonstrations: a canonical question or a guess, half and half; `rng` is a
+        `random.Random` or a numpy Generator."""
+        pool = (list(self.canonical_questions) if rng.random() < 0.5
+                else [self.guess_text(t) for t in self.guess_targets])
+        if hasattr(rng, "integers"):
+            return pool[int(rng.integers(len(pool)))]
+        return pool[rng.randrange(len(pool))]
+
+    def messages(self) -> list[dict]:
+        parts = [self.task_prompt] if self.instructions and self.task_prompt else []
+        items = list(enumerate(self.trajectory, 1))
+        if self.history is not None:
+            items = items[-self.history:] if self.history else []
+        if len(items) < len(self.trajectory):
+            parts.append(f"({len(self.trajectory) - len(items)} earlier questions not shown)")
+        if items:
+            parts.extend(f"{i}. Q: {q} A: {a}" for i, (q, a) in items)
+        elif not self.trajectory:
+            parts.append("No questions asked yet.")
+        if self.target is not None and not self.done and self.show_candidates:
+            cands = self.candidates()
+            if len(cands) <= self.show_candidates:
+                parts.append(f"Possible {self.candidates_label}: " + ", ".join(cands) + ".")
+        parts.append(self._turn_footer())
+        return [{"role": "system", "content": self.system_prompt},
+                {"role": "user", "content": "\n".join(parts)}]
+
+    def _turn_footer(self) -> str:
+        return f"Question {self.turn + 1} of {self.max_turns}:"
+
+
 class TwoPlayerEnv:
     """Alternating-turn two-player game protocol (bargaining, negotiation).
 

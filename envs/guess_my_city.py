@@ -83,7 +83,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Hashable, NamedTuple, Optional
 
-from envs.base import INSTRUCT_FORMAT, Step, TextEnv
+from envs.base import INSTRUCT_FORMAT, QuestionGameEnv, Step
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 CITIES_FILE = DATA_DIR / "guess_my_city_cities.csv"
@@ -548,10 +548,11 @@ def open_answer(city: str, topic: str) -> str:
     raise ValueError(f"unknown topic {topic!r}")
 
 
-class GuessMyCityEnv(TextEnv):
+class GuessMyCityEnv(QuestionGameEnv):
     """Guess My City against the rule-based answerer (see the module docstring)."""
 
     env_id = "guess_my_city"
+    candidates_label = "cities"
     version = VERSION
     max_turns = MAX_QUESTIONS
     task_prompt = ("Guess My City: find my home city. Ask about its continent, language, climate, population, sea, "
@@ -582,6 +583,7 @@ class GuessMyCityEnv(TextEnv):
         self.cities = list(self.table.cities)
         self.yesno = canonical_yesno()
         self.canonical_questions = list(OPEN_QUESTIONS.values()) + [q for q, _, _ in self.yesno]
+        self.guess_targets = list(self.cities)
         self.target: Optional[str] = None
         self.possible: dict[str, frozenset] = {}
         self.guessed: list[str] = []
@@ -698,34 +700,5 @@ class GuessMyCityEnv(TextEnv):
                 best, best_h = q, h
         return best if best is not None else guess_question(cands[0])
 
-    def admissible_actions(self) -> list[str]:
-        return self.canonical_questions + [guess_question(c) for c in self.cities]
-
-    def corrupt_action(self, rng) -> str:
-        pool = self.canonical_questions if rng.random() < 0.5 else [guess_question(c) for c in self.cities]
-        if hasattr(rng, "integers"):
-            return pool[int(rng.integers(len(pool)))]
-        return pool[rng.randrange(len(pool))]
-
-    # -- prompt --------------------------------------------------------------------------------
-    def messages(self) -> list[dict]:
-        parts = [self.task_prompt] if self.instructions else []
-        items = list(enumerate(self.trajectory, 1))
-        if self.history is not None:
-            items = items[-self.history:] if self.history else []
-        if len(items) < len(self.trajectory):
-            parts.append(f"({len(self.trajectory) - len(items)} earlier questions not shown)")
-        if items:
-            parts.extend(f"{i}. Q: {q} A: {a}" for i, (q, a) in items)
-        elif not self.trajectory:
-            parts.append("No questions asked yet.")
-        if self.target is not None and not self.done and self.show_candidates:
-            cands = self.candidates()
-            if len(cands) <= self.show_candidates:
-                parts.append("Possible cities: " + ", ".join(cands) + ".")
-        parts.append(self._turn_footer())
-        return [{"role": "system", "content": self.system_prompt},
-                {"role": "user", "content": "\n".join(parts)}]
-
-    def _turn_footer(self) -> str:
-        return f"Question {self.turn + 1} of {self.max_turns}:"
+    def guess_text(self, target: str) -> str:
+        return guess_question(target)

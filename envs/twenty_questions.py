@@ -63,7 +63,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Hashable, NamedTuple, Optional
 
-from envs.base import INSTRUCT_FORMAT, Step, TextEnv
+from envs.base import INSTRUCT_FORMAT, QuestionGameEnv, Step
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 WORDS_FILE = DATA_DIR / "twenty_questions_words.csv"
@@ -413,10 +413,11 @@ def guess_question(word: str) -> str:
     return f"Is it {word}?" if art in ("-", "") else f"Is it {art} {word}?"
 
 
-class TwentyQuestionsEnv(TextEnv):
+class TwentyQuestionsEnv(QuestionGameEnv):
     """Twenty Questions against the rule-based answerer (see the module docstring)."""
 
     env_id = "twenty_questions"
+    candidates_label = "words"
     version = VERSION
     max_turns = MAX_QUESTIONS
     task_prompt = ('Twenty Questions: find the secret word with yes/no questions, '
@@ -442,6 +443,7 @@ class TwentyQuestionsEnv(TextEnv):
         self.words = list(self.table.words)
         self.attributes = list(self.table.attributes)
         self.canonical_questions = [self.table.questions[a] for a in self.attributes]
+        self.guess_targets = list(self.words)
         self.target: Optional[str] = None
         self.facts: dict[str, bool] = {}
         self.guessed: list[str] = []
@@ -524,34 +526,5 @@ class TwentyQuestionsEnv(TextEnv):
             return guess_question(cands[0])
         return self.table.questions[best]
 
-    def admissible_actions(self) -> list[str]:
-        return self.canonical_questions + [guess_question(w) for w in self.words]
-
-    def corrupt_action(self, rng) -> str:
-        pool = self.canonical_questions if rng.random() < 0.5 else [guess_question(w) for w in self.words]
-        if hasattr(rng, "integers"):
-            return pool[int(rng.integers(len(pool)))]
-        return pool[rng.randrange(len(pool))]
-
-    # -- prompt --------------------------------------------------------------------------------
-    def messages(self) -> list[dict]:
-        parts = [self.task_prompt] if self.instructions else []
-        items = list(enumerate(self.trajectory, 1))
-        if self.history is not None:
-            items = items[-self.history:] if self.history else []
-        if len(items) < len(self.trajectory):
-            parts.append(f"({len(self.trajectory) - len(items)} earlier questions not shown)")
-        if items:
-            parts.extend(f"{i}. Q: {q} A: {a}" for i, (q, a) in items)
-        elif not self.trajectory:
-            parts.append("No questions asked yet.")
-        if self.target is not None and not self.done and self.show_candidates:
-            cands = self.candidates()
-            if len(cands) <= self.show_candidates:
-                parts.append("Possible words: " + ", ".join(cands) + ".")
-        parts.append(self._turn_footer())
-        return [{"role": "system", "content": self.system_prompt},
-                {"role": "user", "content": "\n".join(parts)}]
-
-    def _turn_footer(self) -> str:
-        return f"Question {self.turn + 1} of {self.max_turns}:"
+    def guess_text(self, target: str) -> str:
+        return guess_question(target)
