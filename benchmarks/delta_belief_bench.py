@@ -7,7 +7,7 @@ plot to docs/.
 
 Every run is `delta_belief.py` as a subprocess with one torch thread; the same seeds, budget and
 evaluation for both reward modes (only `--reward-mode` differs). Guess My City is evaluated as the
-out-of-distribution column when that env is present in the checkout.
+out-of-distribution column when that env is present in the checkout (`--no-ood` skips it).
 """
 
 from __future__ import annotations
@@ -153,12 +153,14 @@ def main():
     p.add_argument("--model-name", default="tiny", help="'tiny' or a tiny checkpoint directory")
     p.add_argument("--parallel", type=int, default=2, help="runs at a time (each uses one torch thread)")
     p.add_argument("--out-dir", default=str(REPO / "runs" / "bench_delta_belief"))
+    p.add_argument("--no-ood", action="store_true",
+                   help="skip the Guess My City column (out of distribution; costly when every game runs to 20 questions)")
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more delta_belief.py flags")
     args = p.parse_args()
     import envs
 
-    args.ood = "guess_my_city" in envs.available()
+    args.ood = not args.no_ood and "guess_my_city" in envs.available()
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
