@@ -161,8 +161,9 @@ class TextEnv:
 class QuestionGameEnv(TextEnv):
     """A guessing game against a rule-based answerer (Twenty Questions, Guess My City): what its prompt,
     admissible actions and noise moves have in common. A subclass sets `canonical_questions`,
-    `guess_targets` (every guessable answer), `show_candidates`, `candidates_label` ("words",
-    "cities"), `target`, and implements `candidates()` and `guess_text(target)`.
+    `guess_targets` (every guessable answer, which are also the task ids), `table` (with `splits`:
+    answer -> "train" or "test"), `candidates_label` ("words", "cities"), `target`, and implements
+    `candidates()` and `guess_text(target)`.
 
     The user message: the task line (unless `instructions=False`), the numbered questions and answers
     of the history window, the still-possible answers once at most `show_candidates` are left, and the
@@ -173,6 +174,19 @@ class QuestionGameEnv(TextEnv):
     show_candidates: int = 0
     candidates_label: str = "answers"
     target: Optional[str] = None
+
+    def __init__(self, history: Optional[int] = None, show_candidates: int = 5, instructions: bool = True):
+        super().__init__(history=history, instructions=instructions)
+        if show_candidates < 0:
+            raise ValueError(f"show_candidates must be >= 0, got {show_candidates}")
+        self.show_candidates = int(show_candidates)
+
+    def task_ids(self, split: str) -> list[str]:
+        """The answers of a split, in the table's order; the subclass's `table.splits` maps each answer to
+        "train" or "test"."""
+        if split not in ("train", "test"):
+            raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+        return [t for t in self.guess_targets if self.table.splits[t] == split]
 
     def candidates(self) -> list:
         raise NotImplementedError

@@ -575,10 +575,7 @@ class GuessMyCityEnv(QuestionGameEnv):
     )
 
     def __init__(self, history: Optional[int] = None, show_candidates: int = 5, instructions: bool = True):
-        super().__init__(history=history, instructions=instructions)
-        if show_candidates < 0:
-            raise ValueError(f"show_candidates must be >= 0, got {show_candidates}")
-        self.show_candidates = int(show_candidates)
+        super().__init__(history=history, show_candidates=show_candidates, instructions=instructions)
         self.table = load_table()
         self.cities = list(self.table.cities)
         self.yesno = canonical_yesno()
@@ -592,11 +589,6 @@ class GuessMyCityEnv(QuestionGameEnv):
         self.solved = False
 
     # -- protocol ------------------------------------------------------------------------------
-    def task_ids(self, split: str) -> list[str]:
-        if split not in ("train", "test"):
-            raise ValueError(f"split must be 'train' or 'test', got {split!r}")
-        return [c for c in self.cities if self.table.splits[c] == split]
-
     def _reset(self, task_id: str) -> str:
         if task_id not in self.table.rows:
             raise ValueError(f"unknown guess_my_city task id {task_id!r}; the ids are the cities listed "

@@ -435,10 +435,7 @@ class TwentyQuestionsEnv(QuestionGameEnv):
     )
 
     def __init__(self, history: Optional[int] = None, show_candidates: int = 5, instructions: bool = True):
-        super().__init__(history=history, instructions=instructions)
-        if show_candidates < 0:
-            raise ValueError(f"show_candidates must be >= 0, got {show_candidates}")
-        self.show_candidates = int(show_candidates)
+        super().__init__(history=history, show_candidates=show_candidates, instructions=instructions)
         self.table = load_table()
         self.words = list(self.table.words)
         self.attributes = list(self.table.attributes)
@@ -451,11 +448,6 @@ class TwentyQuestionsEnv(QuestionGameEnv):
         self.solved = False
 
     # -- protocol ------------------------------------------------------------------------------
-    def task_ids(self, split: str) -> list[str]:
-        if split not in ("train", "test"):
-            raise ValueError(f"split must be 'train' or 'test', got {split!r}")
-        return [w for w in self.words if self.table.splits[w] == split]
-
     def _reset(self, task_id: str) -> str:
         if task_id not in self.table.values:
             raise ValueError(f"unknown twenty_questions task id {task_id!r}; the ids are the words listed "
