@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -120,3 +121,18 @@ def random_llama_dir(tmp_path_factory) -> Path:
                          pad_token_id=None)
     LlamaForCausalLM(config).save_pretrained(out)
     return out
+
+
+def random_policy_wins(env, episodes: int, seed: int = 0, actions=None) -> tuple[int, int]:
+    """Play `episodes` episodes of a uniformly random policy on the env's test tasks in turn, choosing
+    from `actions` (default: the env's admissible actions at each step); return (wins, invalid steps)."""
+    rng = random.Random(seed)
+    tests = env.task_ids("test")
+    wins = invalid = 0
+    for ep in range(episodes):
+        env.reset(tests[ep % len(tests)])
+        while not env.done:
+            s = env.step(rng.choice(actions if actions is not None else env.admissible_actions()))
+            invalid += bool(s.info.get("invalid"))
+        wins += bool(s.info["success"])
+    return wins, invalid

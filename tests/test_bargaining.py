@@ -8,7 +8,7 @@ import pytest
 
 import envs
 from envs.bargaining import BargainingEnv
-from envs.two_player_common import expert, parse_move, play, scripted, win_rate
+from envs.two_player_common import expert, parse_move, play, win_rate
 
 
 @pytest.fixture

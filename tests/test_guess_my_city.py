@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import envs
+from conftest import random_policy_wins
 from envs.guess_my_city import (ATTRIBUTES, CITIES_FILE, GOAL, NAMES_FILE, OPEN_QUESTIONS, REFUSAL,
                                 GuessMyCityEnv, _find, _match_form, canonical_yesno, guess_question,
                                 load_table, normalize_question, open_answer, parse_question)
@@ -370,16 +371,8 @@ def test_expert_continues_from_any_state(env):
 
 
 def test_uniform_random_policy_rarely_wins(env):
-    rng = random.Random(0)
-    acts = env.admissible_actions()
-    wins = total = 0
-    for _ in range(5):
-        for c in env.task_ids("test"):
-            env.reset(c)
-            while not env.done:
-                step = env.step(rng.choice(acts))
-            wins += step.info["success"]
-            total += 1
+    total = 5 * len(env.task_ids("test"))
+    wins, _ = random_policy_wins(env, total, actions=env.admissible_actions())
     # Expected about 1 - (1 - 1/353)^20 = 5.5%; measured 10 of 160 = 6.25%.
     assert wins / total < 0.10
 

@@ -7,7 +7,7 @@ import random
 import pytest
 
 import envs
-from envs.negotiation import STRATEGIES, NegotiationEnv, strategy_intent
+from envs.negotiation import STRATEGIES, strategy_intent
 from envs.two_player_common import expert, parse_move, play, win_rate
 
 TASK = "p00_s0.8_b1.2_T8"  # used road bike: M = 400, V_S = 0.8 * 400 = 320, V_B = 1.2 * 400 = 480, 8 rounds
