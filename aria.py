@@ -52,8 +52,8 @@ Deviations from the official code (rhyang2021/ARIA @ 4a6b895)
   rule); free-text observations (Guess My City) are clustered jointly with the actions, as officially.
 
 Example
-    python aria.py                                         # tiny Twenty Questions, CPU
-    python aria.py --env-id bargaining --no-aggregate      # self-play Bargaining, the REINFORCE ablation
+    python aria.py                                         # tiny Bargaining in self-play, CPU
+    python aria.py --env-id twenty_questions --no-aggregate  # Twenty Questions, the REINFORCE ablation
     python aria.py --model-name meta-llama/Meta-Llama-3-8B-Instruct --env-id negotiation \\
         --embedder sentence-transformers/all-MiniLM-L6-v2 --games-per-iteration 1000
 """
@@ -121,8 +121,8 @@ class Args:
     """sampling temperature of the sampled evaluation (greedy is evaluated as well)"""
 
     # environment
-    env_id: str = "twenty_questions"
-    """twenty_questions, guess_my_city (single agent vs the oracle) or bargaining, negotiation (self-play)"""
+    env_id: str = "bargaining"
+    """bargaining, negotiation (self-play) or twenty_questions, guess_my_city (single agent vs the oracle)"""
     history: Optional[int] = None
     """past turns shown in the prompt; None: the env's default (or the tiny recipe's)"""
     max_turns: int = 0
