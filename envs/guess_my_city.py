@@ -66,8 +66,9 @@ attributes in the same country do not exist in the table, so a country question 
 
 Prompt. The user message is the task line with the question topics (left out with
 `instructions=False`, as for the tiny policies, which read no instructions), the
-numbered list of questions and answers so far (all of them with the default `history=None`), the
-list of still possible cities once at most `show_candidates` are left (0 turns it off), and the turn
+numbered list of questions and answers so far (all of them with the default `history=None`;
+`compact=True` writes each as one "<question> <answer>" line, without the number and the Q:/A:
+markers), the list of still possible cities once at most `show_candidates` are left (0 turns it off), and the turn
 counter.
 """
 
@@ -574,8 +575,10 @@ class GuessMyCityEnv(QuestionGameEnv):
         "the answerer does not know) still uses a turn. " + INSTRUCT_FORMAT
     )
 
-    def __init__(self, history: Optional[int] = None, show_candidates: int = 5, instructions: bool = True):
-        super().__init__(history=history, show_candidates=show_candidates, instructions=instructions)
+    def __init__(self, history: Optional[int] = None, show_candidates: int = 5, instructions: bool = True,
+                 compact: bool = False):
+        super().__init__(history=history, show_candidates=show_candidates, instructions=instructions,
+                         compact=compact)
         self.table = load_table()
         self.cities = list(self.table.cities)
         self.yesno = canonical_yesno()
