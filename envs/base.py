@@ -166,8 +166,8 @@ class QuestionGameEnv(TextEnv):
     `candidates()` and `guess_text(target)`.
 
     The user message: the task line (unless `instructions=False`), the numbered questions and answers
-    of the history window (`compact=True`: one "<question> <answer>" line per turn, without the
-    number and the Q:/A: markers, about a third fewer tokens), the still-possible answers once at most
+    of the history window (`numbered=False`: one "<question> <answer>" line per turn, without
+    the number and the Q:/A: markers, about a third fewer tokens), the still-possible answers once at most
     `show_candidates` are left, and the question counter."""
 
     canonical_questions: list = []
@@ -177,12 +177,12 @@ class QuestionGameEnv(TextEnv):
     target: Optional[str] = None
 
     def __init__(self, history: Optional[int] = None, show_candidates: int = 5, instructions: bool = True,
-                 compact: bool = False):
+                 numbered: bool = True):
         super().__init__(history=history, instructions=instructions)
         if show_candidates < 0:
             raise ValueError(f"show_candidates must be >= 0, got {show_candidates}")
         self.show_candidates = int(show_candidates)
-        self.compact = bool(compact)
+        self.numbered = bool(numbered)
 
     def task_ids(self, split: str) -> list[str]:
         """The answers of a split, in the table's order; the subclass's `table.splits` maps each answer to
@@ -217,7 +217,7 @@ class QuestionGameEnv(TextEnv):
         if len(items) < len(self.trajectory):
             parts.append(f"({len(self.trajectory) - len(items)} earlier questions not shown)")
         if items:
-            parts.extend(f"{q} {a}" if self.compact else f"{i}. Q: {q} A: {a}" for i, (q, a) in items)
+            parts.extend(f"{i}. Q: {q} A: {a}" if self.numbered else f"{q} {a}" for i, (q, a) in items)
         elif not self.trajectory:
             parts.append("No questions asked yet.")
         if self.target is not None and not self.done and self.show_candidates:

@@ -67,7 +67,7 @@ attributes in the same country do not exist in the table, so a country question 
 Prompt. The user message is the task line with the question topics (left out with
 `instructions=False`, as for the tiny policies, which read no instructions), the
 numbered list of questions and answers so far (all of them with the default `history=None`;
-`compact=True` writes each as one "<question> <answer>" line, without the number and the Q:/A:
+`numbered=False` writes each as one "<question> <answer>" line, without the number and the Q:/A:
 markers), the list of still possible cities once at most `show_candidates` are left (0 turns it off), and the turn
 counter.
 """
@@ -576,9 +576,9 @@ class GuessMyCityEnv(QuestionGameEnv):
     )
 
     def __init__(self, history: Optional[int] = None, show_candidates: int = 5, instructions: bool = True,
-                 compact: bool = False):
+                 numbered: bool = True):
         super().__init__(history=history, show_candidates=show_candidates, instructions=instructions,
-                         compact=compact)
+                         numbered=numbered)
         self.table = load_table()
         self.cities = list(self.table.cities)
         self.yesno = canonical_yesno()

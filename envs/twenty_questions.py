@@ -46,7 +46,7 @@ min(#yes, #no); ties go to the attribute listed first), and guesses ("Is it a <w
 word is left or no attribute splits the rest (words with identical attributes; first in file order).
 
 Prompt. The user message is the task line, the numbered list of questions and answers so far (all
-of them with the default `history=None`; the last `history` ones otherwise; `compact=True` writes
+of them with the default `history=None`; the last `history` ones otherwise; `numbered=False` writes
 each as one "<question> <answer>" line, without the number and the Q:/A: markers), the list of still
 possible words once at most `show_candidates` are left (0 turns it off; the secret vocabulary is
 otherwise never shown), and the turn counter.
@@ -436,9 +436,9 @@ class TwentyQuestionsEnv(QuestionGameEnv):
     )
 
     def __init__(self, history: Optional[int] = None, show_candidates: int = 5, instructions: bool = True,
-                 compact: bool = False):
+                 numbered: bool = True):
         super().__init__(history=history, show_candidates=show_candidates, instructions=instructions,
-                         compact=compact)
+                         numbered=numbered)
         self.table = load_table()
         self.words = list(self.table.words)
         self.attributes = list(self.table.attributes)

@@ -410,10 +410,10 @@ def test_messages_list_questions_history_and_few_candidates():
     assert "1. Q:" not in user and "3. Q: Is your city happy?" in user and "4. Q: Do people" in user
     assert "Possible cities" not in user and "2 earlier questions not shown" in user
     assert user.startswith("(2 earlier questions not shown)") and "Guess My City" in short.system_prompt
-    compact = envs.make("guess_my_city", history=2, instructions=False, compact=True)
-    play(compact, "Paris", ["Which continent is your city in?", "Is your city a capital?", "Is your city happy?",
+    plain = envs.make("guess_my_city", history=2, instructions=False, numbered=False)
+    play(plain, "Paris", ["Which continent is your city in?", "Is your city a capital?", "Is your city happy?",
                             "Do people in your city speak French?"])
-    assert compact.messages()[1]["content"].splitlines()[1:3] == [
+    assert plain.messages()[1]["content"].splitlines()[1:3] == [
         "Is your city happy? Invalid: nothing understood.", "Do people in your city speak French? Yes"]
     with pytest.raises(ValueError):
         envs.make("guess_my_city", show_candidates=-1)

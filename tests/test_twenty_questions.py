@@ -333,9 +333,9 @@ def test_messages_list_all_questions_and_few_candidates():
     user = short.messages()[1]["content"]
     assert "1. Q:" not in user and "3. Q: Is it kept as a pet? A: Yes" in user and "4. Q: Does it bark?" in user
     assert "Possible words" not in user and "2 earlier questions not shown" in user
-    compact = envs.make("twenty_questions", instructions=False, compact=True)
-    play(compact, "cat", ["Is it an animal?", "Is it a mammal?", "Is it kept as a pet?", "Does it bark?", "Is it happy?"])
-    assert compact.messages()[1]["content"] == (
+    plain = envs.make("twenty_questions", instructions=False, numbered=False)
+    play(plain, "cat", ["Is it an animal?", "Is it a mammal?", "Is it kept as a pet?", "Does it bark?", "Is it happy?"])
+    assert plain.messages()[1]["content"] == (
         "Is it an animal? Yes\nIs it a mammal? Yes\nIs it kept as a pet? Yes\nDoes it bark? No\nIs it happy? Invalid\n"
         "Possible words: cat, rabbit, hamster.\nQuestion 6 of 20:")
     with pytest.raises(ValueError):
