@@ -125,12 +125,19 @@ ENV_OVERRIDES: dict[str, dict] = {
     # knowledge of the words that a pretrained model brings (a model trained from scratch cannot guess a
     # word it has never produced: with train words only, test success stayed at 0-2%). RL and
     # evaluation keep the split: the methods train on train secrets and evaluate on test secrets.
-    "twenty_questions": dict(env_kwargs={"instructions": False}, demo_split="all", demo_episodes=1000,
-                             steps=800, batch_size=128, lr=2e-3, decay_frac=0.3, max_new_tokens=24),
-    # Guess My City: the same reasoning and recipe as Twenty Questions (a policy from scratch never
-    # writes a test city it has not seen).
+    # The history is written without numbers and Q:/A: markers (numbered=False): 77 tokens per prompt
+    # instead of 126, which brings the 800-step build under 10 minutes on 2 CPU cores.
+    "twenty_questions": dict(env_kwargs={"instructions": False, "numbered": False}, demo_split="all",
+                             demo_episodes=1000, steps=800, batch_size=128, lr=2e-3, decay_frac=0.3,
+                             max_new_tokens=24),
+    # Guess My City: the same reasoning as Twenty Questions (a policy from scratch never writes a test
+    # city it has not seen), with 400 steps: at 800 it nearly solved the test cities (0.97 sampled).
     "guess_my_city": dict(env_kwargs={"instructions": False}, demo_split="all", demo_episodes=1000,
-                          steps=800, batch_size=128, lr=2e-3, decay_frac=0.3, max_new_tokens=24),
+                          steps=400, batch_size=128, lr=2e-3, decay_frac=0.3, max_new_tokens=24),
+    # ALFWorld-lite: no past turns in the prompt (history=0; the observation already states the location,
+    # what is held, what was seen and what is left to look into): 200 tokens per prompt instead of 241;
+    # eps 0.2. With the preset (history 2, eps 0.3) the build took 637 s for 0.07 greedy / 0.14 sampled.
+    "alfworld": dict(env_kwargs={"history": 0}, eps=0.2),
     # WebShop-lite: 122 tokens per prompt without the generic task line; results clicked by number.
     # With the plain recipe the policy stayed at 0 success; 1500 cosine steps reached 0.32 greedy,
     # 0.10 sampled. Actions are at most 13 tokens.
