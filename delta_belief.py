@@ -716,7 +716,11 @@ def main(args: Args):
     make_eval_env, _ = make_env_factory(args.env_id, env_kwargs, eval_max_turns, "env")
     ood = None
     if args.eval_env_id and args.eval_env_id != args.env_id:
-        ood_kwargs = {} if args.history is None else {"history": args.history}
+        # the policy's prompt format carries over (a tiny 20Q policy reads no instruction text and an
+        # unnumbered history); the env's content options (e.g. show_candidates) stay the OOD env's own
+        ood_kwargs = {k: env_kwargs[k] for k in ("instructions", "numbered") if k in env_kwargs}
+        if args.history is not None:
+            ood_kwargs["history"] = args.history
         make_ood, ood_probe = make_env_factory(args.eval_env_id, ood_kwargs, eval_max_turns, "--eval-env-id")
         ood_tasks = ood_probe.task_ids("test")
         ood = (make_ood, ood_tasks[: args.eval_num_tasks] if args.eval_num_tasks else ood_tasks,

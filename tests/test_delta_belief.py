@@ -221,6 +221,14 @@ def test_end_to_end_starpo(run_method):
     assert_adapter_trained(run_dir)
 
 
+def test_end_to_end_out_of_distribution_eval(run_method):
+    args = list(SMALL)
+    args[1] = "0"  # evaluation only
+    run_dir = run_method("delta_belief.py", *args, "--eval-env-id", "guess_my_city")
+    ev = json.loads((run_dir / "summary.json").read_text())["last_eval"]
+    assert 0.0 <= ev["eval/ood_success"] <= 1.0 and 0.0 <= ev["eval/success"] <= 1.0
+
+
 def test_unknown_eval_env_is_one_clear_line(tiny_cache):
     proc = subprocess.run([sys.executable, str(REPO / "delta_belief.py"), "--eval-env-id", "no_such_env"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
