@@ -6,6 +6,7 @@ Every env follows the protocol in `envs/base.py` (see DESIGN.md, "Text environme
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Any, Hashable, Optional
 
 from envs.base import INSTRUCT_FORMAT, Step, TextEnv, TwoPlayerEnv, extract_action
