@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
 import re
 import sys
@@ -286,6 +287,7 @@ class Episode:
     success: bool = False  # single agent: solved; two-player: a deal was made
     env_return: float = 0.0  # single agent: env reward; two-player: mean payoff
     payoffs: dict = field(default_factory=dict)
+    share: float = 0.0  # vs a scripted opponent: the learner's final deal position in [0, 1] (0: no deal)
 
     @property
     def length(self) -> int:
@@ -356,6 +358,7 @@ def rollout_single(model, tok, make_env, task_ids, args, temperature, greedy=Fal
             ep.env_return += float(st.reward)
             if st.done:
                 ep.success = bool(st.info.get("success", False))
+                ep.share = float(st.info.get("progress", ep.success))
     for ep in eps:
         ep.outcome = {"agent": float(ep.success)}
     return eps
@@ -409,12 +412,15 @@ def rollout_selfplay(model, tok, make_game, task_ids, args, temperature, greedy=
 # ----------------------------------------------------------------------------------------------
 # 4. Log-probs and loss
 # ----------------------------------------------------------------------------------------------
-def completion_logprobs(model, tok, prompt_ids, completion_ids):
-    """Per-token log-probs of the completions given the prompts, one left-padded forward.
+def completion_logprobs(model, tok, prompt_ids, completion_ids, temperature=1.0):
+    """Per-token log-probs of the completions given the prompts, one left-padded forward with the
+    active adapter, under the sampling distribution softmax(logits / temperature) (as verl scores
+    rollouts: at a temperature other than 1 the raw logits would not describe the sampling policy).
 
     Returns (logp [B, C_max], mask [B, C_max]); completions are right-aligned (row i's tokens are the
-    last len(completion_i) columns). Only the last C_max + 1 positions' logits are computed
-    (`logits_to_keep`), and log p = logit[token] - logsumexp(logits) (no full log-softmax).
+    last len(completion_i) columns; an empty completion is an all-zero row). Only the last C_max + 1
+    positions' logits are computed (`logits_to_keep`), and log p = z[token] - logsumexp(z) with
+    z = logits / temperature (no full log-softmax).
     """
     device = next(model.parameters()).device
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
@@ -433,6 +439,8 @@ def completion_logprobs(model, tok, prompt_ids, completion_ids):
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids,
                    logits_to_keep=C + 1).logits[:, :-1].float()
+    if temperature > 0 and temperature != 1.0:  # temperature <= 0 (greedy sampling) scores the raw logits
+        logits = logits / temperature
     targets = input_ids[:, L - C:]
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
     return logp * cmask, cmask
@@ -462,7 +470,8 @@ def update(model, tok, optimizer, samples, args, rng):
             tot = 0.0
             for m in range(0, len(live), args.micro_batch_size):
                 chunk = live[m:m + args.micro_batch_size]
-                lp, mask = completion_logprobs(model, tok, [x["prompt"] for x in chunk], [x["completion"] for x in chunk])
+                lp, mask = completion_logprobs(model, tok, [x["prompt"] for x in chunk], [x["completion"] for x in chunk],
+                                               temperature=args.temperature)
                 seq = lp.sum(-1)
                 w = torch.tensor([x["weight"] for x in chunk], dtype=seq.dtype, device=seq.device)
                 loss = reinforce_loss(seq, w, len(batch))
@@ -704,7 +713,7 @@ def evaluate(model, tok, spec, tasks, args):
     if not spec["two_player"]:
         tasks_k = [t for t in tasks for _ in range(args.eval_k)]
         eps = rollout_single(model, tok, spec["make"], tasks_k, args, args.eval_temperature)
-        out["eval/success"] = float(np.mean([ep.success for ep in eps]))
+        out["eval/success"], out["eval/success_se"] = mean_se([ep.success for ep in eps])
         out["eval/return"] = float(np.mean([ep.env_return for ep in eps]))
         out["eval/episode_length"] = float(np.mean([ep.length for ep in eps]))
         out["eval/invalid_frac"] = float(np.mean([s["invalid"] for ep in eps for s in ep.steps]))
@@ -715,7 +724,7 @@ def evaluate(model, tok, spec, tasks, args):
     probe = spec["probe"]
     styles = list(args.eval_opponents) or list(probe.opponent_styles())
     kw = spec["env_kwargs"]
-    sampled, greedy, rets, lens, inval = [], [], [], [], []
+    sampled, greedy, rets, lens, inval, shares, wins = [], [], [], [], [], [], []
     for role in probe.players:
         for style in styles:
             def make(role=role, style=style):
@@ -727,6 +736,9 @@ def evaluate(model, tok, spec, tasks, args):
             wr, wr_g = float(np.mean([ep.success for ep in eps])), float(np.mean([ep.success for ep in g]))
             out[f"eval/win_rate_{role}_vs_{style}"] = wr
             out[f"eval/win_rate_greedy_{role}_vs_{style}"] = wr_g
+            out[f"eval/payoff_share_{role}_vs_{style}"] = float(np.mean([ep.share for ep in eps]))
+            shares += [ep.share for ep in eps]
+            wins += [ep.success for ep in eps]
             sampled.append(wr)
             greedy.append(wr_g)
             rets += [ep.env_return for ep in eps]
@@ -737,6 +749,10 @@ def evaluate(model, tok, spec, tasks, args):
                             for ep in eps[: max(1, args.num_logged_episodes // 2)]]
         out[f"eval/win_rate_{role}"] = float(np.mean([out[f"eval/win_rate_{role}_vs_{s}"] for s in styles]))
     out["eval/success"] = out["eval/win_rate"] = float(np.mean(sampled))
+    out["eval/success_se"] = out["eval/win_rate_se"] = mean_se(wins)[1]
+    # the learner's deal position (payoff share) against the scripted styles: a constant policy does not
+    # saturate it the way it saturates the win rate (docs/aria.md, "Evaluation")
+    out["eval/payoff_share"], out["eval/payoff_share_se"] = mean_se(shares)
     out["eval/success_greedy"] = out["eval/win_rate_greedy"] = float(np.mean(greedy))
     out["eval/return"] = float(np.mean(rets))
     out["eval/episode_length"] = float(np.mean(lens))
@@ -753,6 +769,33 @@ def base_fingerprint(model) -> str:
         h.update(name.encode())
         h.update(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def mean_se(values) -> tuple[float, float]:
+    """Mean and standard error (sample std / sqrt(n); 0 for fewer than two values) of per-episode values.
+    For success flags this is the success rate p and about sqrt(p (1 - p) / n)."""
+    x = np.asarray(values, dtype=np.float64)
+    if x.size == 0:
+        return 0.0, 0.0
+    return float(x.mean()), (float(x.std(ddof=1) / math.sqrt(x.size)) if x.size > 1 else 0.0)
+
+
+def learning_summary(first, last, metric):
+    """The run's main evaluation metric before and after training, the change and its standard error
+    (the two evaluations' SEs in quadrature); `fell` is True when the change is below -2 SE."""
+    before, after = float(first[metric]), float(last[metric])
+    se0, se1 = float(first.get(metric + "_se", 0.0)), float(last.get(metric + "_se", 0.0))
+    change, se = after - before, math.sqrt(se0 ** 2 + se1 ** 2)
+    return {"metric": metric, "before": before, "before_se": se0, "after": after, "after_se": se1,
+            "change": change, "change_se": se, "fell": bool(change < -2.0 * se)}
+
+
+def print_learning(s):
+    print(f"{s['metric']}: {s['before']:.3f} ± {s['before_se']:.3f} before training, {s['after']:.3f} ± "
+          f"{s['after_se']:.3f} after ({s['change']:+.3f} ± {s['change_se']:.3f})")
+    if s["fell"]:
+        print(f"WARNING: {s['metric']} fell by more than two standard errors ({s['change']:+.3f} ± "
+              f"{s['change_se']:.3f}): this run made the policy worse")
 
 
 class Logger:
@@ -855,6 +898,7 @@ def main(args: Args):
     if args.history is not None:
         env_kwargs["history"] = args.history
     spec = make_env_spec(args.env_id, env_kwargs, args.max_turns)
+    eval_metric = "eval/payoff_share" if spec["two_player"] else "eval/success"
     probe = spec["probe"]
     if spec["two_player"]:
         bad = [s for s in args.eval_opponents if s not in probe.opponent_styles()]
@@ -980,11 +1024,13 @@ def main(args: Args):
         "first_eval": first_eval,
         "last_eval": last_eval,
         "base_unchanged": base_fingerprint(model) == fingerprint0,
+        "learning": learning_summary(first_eval, last_eval, eval_metric),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    print("summary: " + json.dumps({k: v for k, v in summary.items() if k not in ("first_eval", "last_eval")}))
+    print("summary: " + json.dumps({k: v for k, v in summary.items() if k not in ("first_eval", "last_eval", "learning")}))
     for name, ev in (("first", first_eval), ("last", last_eval)):
         print(f"{name} eval: " + ", ".join(f"{k}={v:.3f}" for k, v in ev.items() if isinstance(v, float)))
+    print_learning(summary["learning"])
     return summary
 
 

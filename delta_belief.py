@@ -460,29 +460,35 @@ def rollout(model, tok, make_env, task_ids, group_ids, args, temperature, belief
 # ----------------------------------------------------------------------------------------------
 # 4. Log-probs and loss
 # ----------------------------------------------------------------------------------------------
-def completion_logprobs(model, tok, prompt_ids, completion_ids):
-    """Per-token log-probs of the completions given the prompts, one left-padded forward.
+def completion_logprobs(model, tok, prompt_ids, completion_ids, temperature=1.0):
+    """Per-token log-probs of the completions given the prompts, one left-padded forward with the
+    active adapter, under the sampling distribution softmax(logits / temperature) (as verl scores
+    rollouts: at a temperature other than 1 the raw logits would not describe the sampling policy).
 
     Returns (logp [B, C_max], mask [B, C_max]); completions are right-aligned (row i's tokens are the
-    last len(completion_i) columns). Only the last C_max + 1 positions' logits are computed
-    (`logits_to_keep`), and log p = logit[token] - logsumexp(logits) (no full log-softmax).
+    last len(completion_i) columns; an empty completion is an all-zero row). Only the last C_max + 1
+    positions' logits are computed (`logits_to_keep`), and log p = z[token] - logsumexp(z) with
+    z = logits / temperature (no full log-softmax).
     """
     device = next(model.parameters()).device
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     seqs = [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids)]
     L = max(len(s) for s in seqs)
-    C = max(len(c) for c in completion_ids)
+    C = max(1, max(len(c) for c in completion_ids))
     input_ids = torch.full((len(seqs), L), pad, dtype=torch.long)
     attn = torch.zeros((len(seqs), L), dtype=torch.long)
     cmask = torch.zeros((len(seqs), C), dtype=torch.float32)
     for i, (s, c) in enumerate(zip(seqs, completion_ids)):
         input_ids[i, L - len(s):] = torch.tensor(s)
         attn[i, L - len(s):] = 1
-        cmask[i, C - len(c):] = 1.0
+        if len(c):
+            cmask[i, C - len(c):] = 1.0
     input_ids, attn, cmask = input_ids.to(device), attn.to(device), cmask.to(device)
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids,
                    logits_to_keep=C + 1).logits[:, :-1].float()
+    if temperature > 0 and temperature != 1.0:  # temperature <= 0 (greedy sampling) scores the raw logits
+        logits = logits / temperature
     targets = input_ids[:, L - C:]
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
     return logp * cmask, cmask
@@ -514,7 +520,8 @@ def update(model, tok, optimizer, samples, args, rng):
     with torch.no_grad():
         for s in range(0, len(samples), args.micro_batch_size):
             chunk = samples[s:s + args.micro_batch_size]
-            lp, m = completion_logprobs(model, tok, [x["prompt"] for x in chunk], [x["completion"] for x in chunk])
+            lp, m = completion_logprobs(model, tok, [x["prompt"] for x in chunk], [x["completion"] for x in chunk],
+                                        temperature=args.temperature)
             for j, x in enumerate(chunk):
                 x["old"] = lp[j, lp.shape[1] - len(x["completion"]):].detach()
     model.train()
@@ -532,7 +539,8 @@ def update(model, tok, optimizer, samples, args, rng):
         tot_loss, kl_sum, clip_sum = 0.0, 0.0, 0.0
         for s in range(0, len(mb), args.micro_batch_size):
             chunk = mb[s:s + args.micro_batch_size]
-            lp, m = completion_logprobs(model, tok, [x["prompt"] for x in chunk], [x["completion"] for x in chunk])
+            lp, m = completion_logprobs(model, tok, [x["prompt"] for x in chunk], [x["completion"] for x in chunk],
+                                        temperature=args.temperature)
             C = lp.shape[1]
             old = torch.zeros_like(lp)
             adv = torch.zeros_like(lp)
@@ -579,8 +587,10 @@ def episode_stats(episodes, k):
     by_task = {}
     for ep in episodes:
         by_task.setdefault(ep.group_id, []).append(ep.won)
+    success, success_se = mean_se([ep.won for ep in episodes])
     return {
-        "success": float(np.mean([ep.won for ep in episodes])),
+        "success": success,
+        "success_se": success_se,
         f"pass_at_{k}": float(np.mean([any(v) for v in by_task.values()])),
         "return": float(np.mean([ep.env_return for ep in episodes])),
         "episode_length": float(np.mean([ep.length for ep in episodes])),
@@ -609,7 +619,7 @@ def evaluate(model, tok, make_env, tasks, args, max_turns, prefix, belief_messag
     records += [episode_record(ep, f"{prefix}sampled") for ep in eps[: args.num_logged_episodes]]
     greedy = rollout(model, tok, make_env, tasks, list(range(len(tasks))), args, 1.0, belief_message, greedy=True,
                      max_turns=max_turns, with_beliefs=False)
-    out[f"{prefix}success_greedy"] = float(np.mean([ep.won for ep in greedy]))
+    out[f"{prefix}success_greedy"], out[f"{prefix}success_greedy_se"] = mean_se([ep.won for ep in greedy])
     if best_of_n > 0:
         bon = rollout(model, tok, make_env, tasks, list(range(len(tasks))), args, args.eval_temperature,
                       belief_message, best_of_n=best_of_n, max_turns=max_turns)
@@ -628,6 +638,33 @@ def base_fingerprint(model) -> str:
         h.update(name.encode())
         h.update(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def mean_se(values) -> tuple[float, float]:
+    """Mean and standard error (sample std / sqrt(n); 0 for fewer than two values) of per-episode values.
+    For success flags this is the success rate p and about sqrt(p (1 - p) / n)."""
+    x = np.asarray(values, dtype=np.float64)
+    if x.size == 0:
+        return 0.0, 0.0
+    return float(x.mean()), (float(x.std(ddof=1) / math.sqrt(x.size)) if x.size > 1 else 0.0)
+
+
+def learning_summary(first, last, metric):
+    """The run's main evaluation metric before and after training, the change and its standard error
+    (the two evaluations' SEs in quadrature); `fell` is True when the change is below -2 SE."""
+    before, after = float(first[metric]), float(last[metric])
+    se0, se1 = float(first.get(metric + "_se", 0.0)), float(last.get(metric + "_se", 0.0))
+    change, se = after - before, math.sqrt(se0 ** 2 + se1 ** 2)
+    return {"metric": metric, "before": before, "before_se": se0, "after": after, "after_se": se1,
+            "change": change, "change_se": se, "fell": bool(change < -2.0 * se)}
+
+
+def print_learning(s):
+    print(f"{s['metric']}: {s['before']:.3f} ± {s['before_se']:.3f} before training, {s['after']:.3f} ± "
+          f"{s['after_se']:.3f} after ({s['change']:+.3f} ± {s['change_se']:.3f})")
+    if s["fell"]:
+        print(f"WARNING: {s['metric']} fell by more than two standard errors ({s['change']:+.3f} ± "
+              f"{s['change_se']:.3f}): this run made the policy worse")
 
 
 class Logger:
@@ -862,11 +899,13 @@ def main(args: Args):
         "first_eval": first_eval,
         "last_eval": last_eval,
         "base_unchanged": base_fingerprint(model) == fingerprint0,
+        "learning": learning_summary(first_eval, last_eval, "eval/success"),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    print("summary: " + json.dumps({k: v for k, v in summary.items() if k not in ("first_eval", "last_eval")}))
+    print("summary: " + json.dumps({k: v for k, v in summary.items() if k not in ("first_eval", "last_eval", "learning")}))
     for name, ev in (("first", first_eval), ("last", last_eval)):
         print(f"{name} eval: " + ", ".join(f"{k}={v:.3f}" for k, v in ev.items() if isinstance(v, float)))
+    print_learning(summary["learning"])
     return summary
 
 

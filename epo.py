@@ -638,29 +638,35 @@ def _prm_answer_ok(text) -> bool:
 # ----------------------------------------------------------------------------------------------
 # 4. Log-probs and loss
 # ----------------------------------------------------------------------------------------------
-def completion_logprobs(model, tok, prompt_ids, completion_ids):
-    """Per-token log-probs of the completions given the prompts, one left-padded forward.
+def completion_logprobs(model, tok, prompt_ids, completion_ids, temperature=1.0):
+    """Per-token log-probs of the completions given the prompts, one left-padded forward with the
+    active adapter, under the sampling distribution softmax(logits / temperature) (as verl scores
+    rollouts: at a temperature other than 1 the raw logits would not describe the sampling policy).
 
     Returns (logp [B, C_max], mask [B, C_max]); completions are right-aligned (row i's tokens are the
-    last len(completion_i) columns). Only the last C_max + 1 positions' logits are computed
-    (`logits_to_keep`), and log p = logit[token] - logsumexp(logits) (no full log-softmax).
+    last len(completion_i) columns; an empty completion is an all-zero row). Only the last C_max + 1
+    positions' logits are computed (`logits_to_keep`), and log p = z[token] - logsumexp(z) with
+    z = logits / temperature (no full log-softmax).
     """
     device = next(model.parameters()).device
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     seqs = [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids)]
     L = max(len(s) for s in seqs)
-    C = max(len(c) for c in completion_ids)
+    C = max(1, max(len(c) for c in completion_ids))
     input_ids = torch.full((len(seqs), L), pad, dtype=torch.long)
     attn = torch.zeros((len(seqs), L), dtype=torch.long)
     cmask = torch.zeros((len(seqs), C), dtype=torch.float32)
     for i, (s, c) in enumerate(zip(seqs, completion_ids)):
         input_ids[i, L - len(s):] = torch.tensor(s)
         attn[i, L - len(s):] = 1
-        cmask[i, C - len(c):] = 1.0
+        if len(c):
+            cmask[i, C - len(c):] = 1.0
     input_ids, attn, cmask = input_ids.to(device), attn.to(device), cmask.to(device)
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids,
                    logits_to_keep=C + 1).logits[:, :-1].float()
+    if temperature > 0 and temperature != 1.0:  # temperature <= 0 (greedy sampling) scores the raw logits
+        logits = logits / temperature
     targets = input_ids[:, L - C:]
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
     return logp * cmask, cmask
@@ -703,7 +709,7 @@ def train_strategist(model, tok, trajs, args, lr, rng):
             for c in range(0, len(turns), args.micro_batch_size):
                 chunk = turns[c:c + args.micro_batch_size]
                 lp, mask = completion_logprobs(model, tok, [batch[j].prompts[t] for j, t in chunk],
-                                               [batch[j].completions[t] for j, t in chunk])
+                                               [batch[j].completions[t] for j, t in chunk], temperature=args.temperature)
                 loss = lp.sum() * 0.0
                 for j in sorted({j for j, _ in chunk}):
                     rows = [r for r, (jj, _) in enumerate(chunk) if jj == j]
@@ -780,6 +786,8 @@ def evaluate(model, tok, make_game, tasks, players, styles, args):
         row[f"eval/{key}"] = v
     row["eval/success"] = row["eval/win_rate"]
     row["eval/return"] = row["eval/outcome"]
+    row["eval/goal_score_se"] = mean_se([tr.score for tr in sampled])[1]
+    row["eval/win_rate_se"] = row["eval/success_se"] = mean_se([tr.won for tr in sampled])[1]
     gstats = trajectory_stats(greedy)
     row["eval/success_greedy"] = gstats["win_rate"]
     row["eval/goal_score_greedy"] = gstats["goal_score"]
@@ -809,6 +817,33 @@ def base_fingerprint(model) -> str:
         h.update(name.encode())
         h.update(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def mean_se(values) -> tuple[float, float]:
+    """Mean and standard error (sample std / sqrt(n); 0 for fewer than two values) of per-episode values.
+    For success flags this is the success rate p and about sqrt(p (1 - p) / n)."""
+    x = np.asarray(values, dtype=np.float64)
+    if x.size == 0:
+        return 0.0, 0.0
+    return float(x.mean()), (float(x.std(ddof=1) / math.sqrt(x.size)) if x.size > 1 else 0.0)
+
+
+def learning_summary(first, last, metric):
+    """The run's main evaluation metric before and after training, the change and its standard error
+    (the two evaluations' SEs in quadrature); `fell` is True when the change is below -2 SE."""
+    before, after = float(first[metric]), float(last[metric])
+    se0, se1 = float(first.get(metric + "_se", 0.0)), float(last.get(metric + "_se", 0.0))
+    change, se = after - before, math.sqrt(se0 ** 2 + se1 ** 2)
+    return {"metric": metric, "before": before, "before_se": se0, "after": after, "after_se": se1,
+            "change": change, "change_se": se, "fell": bool(change < -2.0 * se)}
+
+
+def print_learning(s):
+    print(f"{s['metric']}: {s['before']:.3f} ± {s['before_se']:.3f} before training, {s['after']:.3f} ± "
+          f"{s['after_se']:.3f} after ({s['change']:+.3f} ± {s['change_se']:.3f})")
+    if s["fell"]:
+        print(f"WARNING: {s['metric']} fell by more than two standard errors ({s['change']:+.3f} ± "
+              f"{s['change_se']:.3f}): this run made the policy worse")
 
 
 class Logger:
@@ -1060,12 +1095,14 @@ def main(args: Args):
         "last_eval": last_eval,
         "eval_history": history,
         "base_unchanged": base_fingerprint(model) == fingerprint0,
+        "learning": learning_summary(first_eval, last_eval, "eval/goal_score"),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print("summary: " + json.dumps({k: v for k, v in summary.items() if k in ("run_dir", "iterations", "wall_seconds",
                                                                             "base_unchanged")}))
     for name, ev in (("first", first_eval), ("last", last_eval)):
         print(f"{name} eval: " + ", ".join(f"{k}={v:.3f}" for k, v in ev.items() if "/vs_" not in k))
+    print_learning(summary["learning"])
     return summary
 
 

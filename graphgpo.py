@@ -464,29 +464,35 @@ def rollout(model, tok, make_env, task_ids, group_ids, temperature, max_new_toke
 # ----------------------------------------------------------------------------------------------
 # 4. Log-probs and loss
 # ----------------------------------------------------------------------------------------------
-def completion_logprobs(model, tok, prompt_ids, completion_ids):
-    """Per-token log-probs of the completions given the prompts, one left-padded forward.
+def completion_logprobs(model, tok, prompt_ids, completion_ids, temperature=1.0):
+    """Per-token log-probs of the completions given the prompts, one left-padded forward with the
+    active adapter, under the sampling distribution softmax(logits / temperature) (as verl scores
+    rollouts: at a temperature other than 1 the raw logits would not describe the sampling policy).
 
     Returns (logp [B, C_max], mask [B, C_max]); completions are right-aligned (row i's tokens are the
-    last len(completion_i) columns). Only the last C_max + 1 positions' logits are computed
-    (`logits_to_keep`), and log p = logit[token] - logsumexp(logits) (no full log-softmax).
+    last len(completion_i) columns; an empty completion is an all-zero row). Only the last C_max + 1
+    positions' logits are computed (`logits_to_keep`), and log p = z[token] - logsumexp(z) with
+    z = logits / temperature (no full log-softmax).
     """
     device = next(model.parameters()).device
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     seqs = [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids)]
     L = max(len(s) for s in seqs)
-    C = max(len(c) for c in completion_ids)
+    C = max(1, max(len(c) for c in completion_ids))
     input_ids = torch.full((len(seqs), L), pad, dtype=torch.long)
     attn = torch.zeros((len(seqs), L), dtype=torch.long)
     cmask = torch.zeros((len(seqs), C), dtype=torch.float32)
     for i, (s, c) in enumerate(zip(seqs, completion_ids)):
         input_ids[i, L - len(s):] = torch.tensor(s)
         attn[i, L - len(s):] = 1
-        cmask[i, C - len(c):] = 1.0
+        if len(c):
+            cmask[i, C - len(c):] = 1.0
     input_ids, attn, cmask = input_ids.to(device), attn.to(device), cmask.to(device)
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids,
                    logits_to_keep=C + 1).logits[:, :-1].float()
+    if temperature > 0 and temperature != 1.0:  # temperature <= 0 (greedy sampling) scores the raw logits
+        logits = logits / temperature
     targets = input_ids[:, L - C:]
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
     return logp * cmask, cmask
@@ -518,27 +524,28 @@ def policy_loss(logp, old_logp, ref_logp, adv, mask, clip_eps, dual_clip, kl_coe
 
 
 @torch.no_grad()
-def score_samples(model, tok, samples, key, micro_batch_size, reference=False):
-    """Store per-token log-probs of each sample's completion in sample[key] (eval mode, no grad).
-    With `reference`, the LoRA adapter is disabled (the reference policy is the base model)."""
+def score_samples(model, tok, samples, key, micro_batch_size, temperature=1.0, reference=False):
+    """Store per-token log-probs of each sample's completion in sample[key] (eval mode, no grad), under
+    the sampling temperature. With `reference`, the LoRA adapter is disabled (the reference policy is
+    the base model)."""
     model.eval()
     for s in range(0, len(samples), micro_batch_size):
         chunk = samples[s:s + micro_batch_size]
         args = ([x["prompt"] for x in chunk], [x["completion"] for x in chunk])
         if reference:
             with model.disable_adapter():
-                lp, _ = completion_logprobs(model, tok, *args)
+                lp, _ = completion_logprobs(model, tok, *args, temperature=temperature)
         else:
-            lp, _ = completion_logprobs(model, tok, *args)
+            lp, _ = completion_logprobs(model, tok, *args, temperature=temperature)
         for j, x in enumerate(chunk):
             x[key] = lp[j, lp.shape[1] - len(x["completion"]):].detach()
 
 
 def update(model, tok, optimizer, samples, args, rng):
     """One pass over the turns in `num_minibatches` optimizer steps (token-mean within each)."""
-    score_samples(model, tok, samples, "old", args.micro_batch_size)
+    score_samples(model, tok, samples, "old", args.micro_batch_size, args.temperature)
     if args.kl_coef:
-        score_samples(model, tok, samples, "ref", args.micro_batch_size, reference=True)
+        score_samples(model, tok, samples, "ref", args.micro_batch_size, args.temperature, reference=True)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     order = rng.permutation(len(samples))
@@ -552,7 +559,8 @@ def update(model, tok, optimizer, samples, args, rng):
         acc = defaultdict(float)
         for s in range(0, len(mb), args.micro_batch_size):
             chunk = mb[s:s + args.micro_batch_size]
-            lp, m = completion_logprobs(model, tok, [x["prompt"] for x in chunk], [x["completion"] for x in chunk])
+            lp, m = completion_logprobs(model, tok, [x["prompt"] for x in chunk], [x["completion"] for x in chunk],
+                                        temperature=args.temperature)
             C = lp.shape[1]
             old, ref, adv = torch.zeros_like(lp), torch.zeros_like(lp), torch.zeros_like(lp)
             for j, x in enumerate(chunk):
@@ -592,15 +600,15 @@ def evaluate(model, tok, make_env, tasks, args, max_new_tokens):
     out = {}
     tasks_k = [t for t in tasks for _ in range(args.eval_k)]
     eps = rollout(model, tok, make_env, tasks_k, [0] * len(tasks_k), args.temperature, max_new_tokens)
-    out["eval/success"] = float(np.mean([e.success for e in eps]))
+    out["eval/success"], out["eval/success_se"] = mean_se([e.success for e in eps])
     out["eval/return"] = float(np.mean([sum(e.env_rewards) for e in eps]))
     out["eval/episode_length"] = float(np.mean([e.length for e in eps]))
     n = sum(e.length for e in eps)
     out["eval/invalid_rate"] = float(sum(sum(e.invalid) for e in eps) / max(n, 1))
     val = rollout(model, tok, make_env, tasks_k, [0] * len(tasks_k), args.eval_temperature, max_new_tokens)
-    out["eval/success_val_temp"] = float(np.mean([e.success for e in val]))
+    out["eval/success_val_temp"], out["eval/success_val_temp_se"] = mean_se([e.success for e in val])
     greedy = rollout(model, tok, make_env, tasks, [0] * len(tasks), 1.0, max_new_tokens, greedy=True)
-    out["eval/success_greedy"] = float(np.mean([e.success for e in greedy]))
+    out["eval/success_greedy"], out["eval/success_greedy_se"] = mean_se([e.success for e in greedy])
     records = [episode_record(e, "sampled") for e in eps[: args.num_logged_episodes]]
     return out, records
 
@@ -614,6 +622,33 @@ def base_fingerprint(model) -> str:
         h.update(name.encode())
         h.update(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def mean_se(values) -> tuple[float, float]:
+    """Mean and standard error (sample std / sqrt(n); 0 for fewer than two values) of per-episode values.
+    For success flags this is the success rate p and about sqrt(p (1 - p) / n)."""
+    x = np.asarray(values, dtype=np.float64)
+    if x.size == 0:
+        return 0.0, 0.0
+    return float(x.mean()), (float(x.std(ddof=1) / math.sqrt(x.size)) if x.size > 1 else 0.0)
+
+
+def learning_summary(first, last, metric):
+    """The run's main evaluation metric before and after training, the change and its standard error
+    (the two evaluations' SEs in quadrature); `fell` is True when the change is below -2 SE."""
+    before, after = float(first[metric]), float(last[metric])
+    se0, se1 = float(first.get(metric + "_se", 0.0)), float(last.get(metric + "_se", 0.0))
+    change, se = after - before, math.sqrt(se0 ** 2 + se1 ** 2)
+    return {"metric": metric, "before": before, "before_se": se0, "after": after, "after_se": se1,
+            "change": change, "change_se": se, "fell": bool(change < -2.0 * se)}
+
+
+def print_learning(s):
+    print(f"{s['metric']}: {s['before']:.3f} ± {s['before_se']:.3f} before training, {s['after']:.3f} ± "
+          f"{s['after_se']:.3f} after ({s['change']:+.3f} ± {s['change_se']:.3f})")
+    if s["fell"]:
+        print(f"WARNING: {s['metric']} fell by more than two standard errors ({s['change']:+.3f} ± "
+              f"{s['change_se']:.3f}): this run made the policy worse")
 
 
 class Logger:
@@ -870,11 +905,13 @@ def main(args: Args):
         "first_eval": first_eval,
         "last_eval": last_eval,
         "base_unchanged": base_fingerprint(model) == fingerprint0,
+        "learning": learning_summary(first_eval, last_eval, "eval/success"),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    print("summary: " + json.dumps({k: v for k, v in summary.items() if k not in ("first_eval", "last_eval")}))
+    print("summary: " + json.dumps({k: v for k, v in summary.items() if k not in ("first_eval", "last_eval", "learning")}))
     for name, ev in (("first", first_eval), ("last", last_eval)):
         print(f"{name} eval: " + ", ".join(f"{k}={v:.3f}" for k, v in ev.items()))
+    print_learning(summary["learning"])
     return summary
 
 

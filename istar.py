@@ -390,30 +390,35 @@ def rollout(model, tok, make_env, task_ids, group_ids, temperature, max_new_toke
 # ----------------------------------------------------------------------------------------------
 # 4. Log-probs and loss
 # ----------------------------------------------------------------------------------------------
-def completion_logprobs(model, tok, prompt_ids, completion_ids):
+def completion_logprobs(model, tok, prompt_ids, completion_ids, temperature=1.0):
     """Per-token log-probs of the completions given the prompts, one left-padded forward with the
-    active adapter.
+    active adapter, under the sampling distribution softmax(logits / temperature) (as verl scores
+    rollouts: at a temperature other than 1 the raw logits would not describe the sampling policy).
 
     Returns (logp [B, C_max], mask [B, C_max]); completions are right-aligned (row i's tokens are the
-    last len(completion_i) columns). Only the last C_max + 1 positions' logits are computed
-    (`logits_to_keep`), and log p = logit[token] - logsumexp(logits) (no full log-softmax).
+    last len(completion_i) columns; an empty completion is an all-zero row). Only the last C_max + 1
+    positions' logits are computed (`logits_to_keep`), and log p = z[token] - logsumexp(z) with
+    z = logits / temperature (no full log-softmax).
     """
     device = next(model.parameters()).device
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     seqs = [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids)]
     L = max(len(s) for s in seqs)
-    C = max(len(c) for c in completion_ids)
+    C = max(1, max(len(c) for c in completion_ids))
     input_ids = torch.full((len(seqs), L), pad, dtype=torch.long)
     attn = torch.zeros((len(seqs), L), dtype=torch.long)
     cmask = torch.zeros((len(seqs), C), dtype=torch.float32)
     for i, (s, c) in enumerate(zip(seqs, completion_ids)):
         input_ids[i, L - len(s):] = torch.tensor(s)
         attn[i, L - len(s):] = 1
-        cmask[i, C - len(c):] = 1.0
+        if len(c):
+            cmask[i, C - len(c):] = 1.0
     input_ids, attn, cmask = input_ids.to(device), attn.to(device), cmask.to(device)
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids,
                    logits_to_keep=C + 1).logits[:, :-1].float()
+    if temperature > 0 and temperature != 1.0:  # temperature <= 0 (greedy sampling) scores the raw logits
+        logits = logits / temperature
     targets = input_ids[:, L - C:]
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
     return logp * cmask, cmask
@@ -429,14 +434,16 @@ def _padded(samples, key, C, device):
 
 
 @torch.no_grad()
-def token_logprobs(model, tok, samples, adapter, micro_batch_size):
-    """Per-sample token log-prob vectors under one adapter, eval mode, no gradient."""
+def token_logprobs(model, tok, samples, adapter, micro_batch_size, temperature=1.0):
+    """Per-sample token log-prob vectors under one adapter at the sampling temperature, eval mode, no
+    gradient."""
     model.set_adapter(adapter)
     model.eval()
     out = []
     for s in range(0, len(samples), micro_batch_size):
         chunk = samples[s:s + micro_batch_size]
-        lp, _ = completion_logprobs(model, tok, [x["prompt"] for x in chunk], [x["completion"] for x in chunk])
+        lp, _ = completion_logprobs(model, tok, [x["prompt"] for x in chunk], [x["completion"] for x in chunk],
+                                    temperature=temperature)
         out += [lp[j, lp.shape[1] - len(x["completion"]):].float().cpu() for j, x in enumerate(chunk)]
     return out
 
@@ -452,7 +459,7 @@ def prm_update(model, tok, optimizer, samples, traj_success, traj_group, args):
     [S], stats).
     """
     device = next(model.parameters()).device
-    prm_lp = token_logprobs(model, tok, samples, "prm", args.micro_batch_size)
+    prm_lp = token_logprobs(model, tok, samples, "prm", args.micro_batch_size, args.temperature)
     tok_r = [args.beta * (p - x["old"]) for p, x in zip(prm_lp, samples)]  # Eq. 1 per token
     r = torch.stack([t.sum() for t in tok_r]) if tok_r else torch.zeros(0)  # Eq. 1 per step
     idx = torch.tensor([x["traj"] for x in samples], dtype=torch.long)
@@ -478,7 +485,8 @@ def prm_update(model, tok, optimizer, samples, traj_success, traj_group, args):
         for s0 in range(0, len(live), args.micro_batch_size):
             chunk_ids = live[s0:s0 + args.micro_batch_size]
             chunk = [samples[j] for j in chunk_ids]
-            lp, m = completion_logprobs(model, tok, [x["prompt"] for x in chunk], [x["completion"] for x in chunk])
+            lp, m = completion_logprobs(model, tok, [x["prompt"] for x in chunk], [x["completion"] for x in chunk],
+                                        temperature=args.temperature)
             old = _padded(chunk, "old", lp.shape[1], device)
             rr = implicit_step_rewards(lp, old, m, args.beta)
             (rr * g[chunk_ids].to(rr.dtype).to(device)).sum().backward()
@@ -487,7 +495,7 @@ def prm_update(model, tok, optimizer, samples, traj_success, traj_group, args):
         optimizer.step()
         if args.prm_updates_per_iteration > 1:  # later steps: recompute dL/dr with the moved PRM
             with torch.no_grad():
-                new_lp = token_logprobs(model, tok, samples, "prm", args.micro_batch_size)
+                new_lp = token_logprobs(model, tok, samples, "prm", args.micro_batch_size, args.temperature)
                 r2 = torch.stack([args.beta * (p - x["old"]).sum() for p, x in zip(new_lp, samples)])
             leaf = r2.double().requires_grad_(True)
             (g,) = torch.autograd.grad(trajectory_dpo_loss(leaf, idx, traj_success, traj_group, args.dpo_reduce), leaf)
@@ -530,7 +538,8 @@ def policy_update(model, tok, optimizer, samples, args, rng):
         tot_loss, kl_sum, clip_sum = 0.0, 0.0, 0.0
         for s in range(0, len(mb), args.micro_batch_size):
             chunk = mb[s:s + args.micro_batch_size]
-            lp, m = completion_logprobs(model, tok, [x["prompt"] for x in chunk], [x["completion"] for x in chunk])
+            lp, m = completion_logprobs(model, tok, [x["prompt"] for x in chunk], [x["completion"] for x in chunk],
+                                        temperature=args.temperature)
             C = lp.shape[1]
             old = _padded(chunk, "old", C, device)
             adv = _padded(chunk, "adv", C, device)
@@ -564,13 +573,14 @@ def evaluate(model, tok, make_env, tasks, args, max_new_tokens):
     ids = list(range(len(tasks)))
     eps = rollout(model, tok, make_env, tasks, ids, args.eval_temperature, max_new_tokens)
     greedy = rollout(model, tok, make_env, tasks, ids, 1.0, max_new_tokens, greedy=True)
-    out = {
-        "eval/success": float(np.mean([ep.success for ep in eps])),
-        "eval/success_greedy": float(np.mean([ep.success for ep in greedy])),
+    out = {}
+    out["eval/success"], out["eval/success_se"] = mean_se([ep.success for ep in eps])
+    out["eval/success_greedy"], out["eval/success_greedy_se"] = mean_se([ep.success for ep in greedy])
+    out.update({
         "eval/return": float(np.mean([ep.env_return for ep in eps])),
         "eval/return_greedy": float(np.mean([ep.env_return for ep in greedy])),
         "eval/episode_length": float(np.mean([ep.length for ep in eps])),
-    }
+    })
     records = [episode_record(ep, "sampled") for ep in eps[: args.num_logged_episodes]]
     records += [episode_record(ep, "greedy") for ep in greedy[: max(1, args.num_logged_episodes // 2)]]
     return out, records
@@ -604,6 +614,33 @@ def pearson(x, y):
 
 def _finite(v):
     return None if isinstance(v, float) and not math.isfinite(v) else v
+
+
+def mean_se(values) -> tuple[float, float]:
+    """Mean and standard error (sample std / sqrt(n); 0 for fewer than two values) of per-episode values.
+    For success flags this is the success rate p and about sqrt(p (1 - p) / n)."""
+    x = np.asarray(values, dtype=np.float64)
+    if x.size == 0:
+        return 0.0, 0.0
+    return float(x.mean()), (float(x.std(ddof=1) / math.sqrt(x.size)) if x.size > 1 else 0.0)
+
+
+def learning_summary(first, last, metric):
+    """The run's main evaluation metric before and after training, the change and its standard error
+    (the two evaluations' SEs in quadrature); `fell` is True when the change is below -2 SE."""
+    before, after = float(first[metric]), float(last[metric])
+    se0, se1 = float(first.get(metric + "_se", 0.0)), float(last.get(metric + "_se", 0.0))
+    change, se = after - before, math.sqrt(se0 ** 2 + se1 ** 2)
+    return {"metric": metric, "before": before, "before_se": se0, "after": after, "after_se": se1,
+            "change": change, "change_se": se, "fell": bool(change < -2.0 * se)}
+
+
+def print_learning(s):
+    print(f"{s['metric']}: {s['before']:.3f} ± {s['before_se']:.3f} before training, {s['after']:.3f} ± "
+          f"{s['after_se']:.3f} after ({s['change']:+.3f} ± {s['change_se']:.3f})")
+    if s["fell"]:
+        print(f"WARNING: {s['metric']} fell by more than two standard errors ({s['change']:+.3f} ± "
+              f"{s['change_se']:.3f}): this run made the policy worse")
 
 
 class Logger:
@@ -758,7 +795,7 @@ def main(args: Args):
         samples = [{"prompt": ep.prompts[t], "completion": ep.completions[t], "traj": ep.traj_id,
                     "group": ep.group_id, "turn": t, "dprog": ep.progress_delta[t]}
                    for ep in eps for t in range(ep.length)]
-        old = token_logprobs(model, tok, samples, "default", args.micro_batch_size)
+        old = token_logprobs(model, tok, samples, "default", args.micro_batch_size, args.temperature)
         for x, o in zip(samples, old):
             x["old"] = o
         t_old = time.time() - t1
@@ -854,11 +891,13 @@ def main(args: Args):
         "first_eval": first_eval,
         "last_eval": last_eval,
         "base_unchanged": base_fingerprint(model) == fingerprint0,
+        "learning": learning_summary(first_eval, last_eval, "eval/success"),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    print("summary: " + json.dumps({k: v for k, v in summary.items() if k not in ("first_eval", "last_eval")}))
+    print("summary: " + json.dumps({k: v for k, v in summary.items() if k not in ("first_eval", "last_eval", "learning")}))
     for name, ev in (("first", first_eval), ("last", last_eval)):
         print(f"{name} eval: " + ", ".join(f"{k}={v:.3f}" for k, v in ev.items()))
+    print_learning(summary["learning"])
     return summary
 
 
