@@ -353,8 +353,10 @@ class Trajectory:
 
 
 def render_prompt(tok, messages) -> str:
-    """The sampling-time prompt: the chat template with the generation prompt, as text."""
-    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    """The sampling-time prompt: the chat template with the generation prompt, as text. Thinking off:
+    a template that reads `enable_thinking` (Qwen3) opens the answer with an empty think block instead of
+    spending the token budget on thoughts; templates without the variable ignore it."""
+    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=False)
 
 
 def encode(tok, text: str) -> list:

@@ -220,7 +220,7 @@ class QuestionGameEnv(TextEnv):
             parts.extend(f"{i}. Q: {q} A: {a}" if self.numbered else f"{q} {a}" for i, (q, a) in items)
         elif not self.trajectory:
             parts.append("No questions asked yet.")
-        if self.target is not None and not self.done and self.show_candidates:
+        if self.target is not None and self.show_candidates:  # kept after the end (the last belief's prompt)
             cands = self.candidates()
             if len(cands) <= self.show_candidates:
                 parts.append(f"Possible {self.candidates_label}: " + ", ".join(cands) + ".")
@@ -229,7 +229,9 @@ class QuestionGameEnv(TextEnv):
                 {"role": "user", "content": "\n".join(parts)}]
 
     def _turn_footer(self) -> str:
-        return f"Question {self.turn + 1} of {self.max_turns}:"
+        """"Question k of N:"; after a game lost at the limit it stays at N, so the prompt the last belief is
+        elicited on has the format of the turns played (not "Question N+1 of N:")."""
+        return f"Question {min(self.turn + 1, self.max_turns)} of {self.max_turns}:"
 
 
 class TwoPlayerEnv:

@@ -1,4 +1,4 @@
-"""Scoring agrees with sampling: `completion_logprobs` at the sampling temperature gives the log-probs
+"""Prompts and scoring, the same in every method file. Scoring agrees with sampling: `completion_logprobs` at the sampling temperature gives the log-probs
 of the distribution `generate` sampled from (softmax(logits / T)), in every method file. At T = 0.5 the
 raw logits (T = 1) would not: the ratio pi/pi_old of the first update would start away from 1."""
 
@@ -48,3 +48,24 @@ def test_logprobs_at_the_sampling_temperature(sampled, name):
     assert m.sum() == want.numel()
     torch.testing.assert_close(lp, want, rtol=1e-4, atol=1e-4)
     assert (raw - want).abs().max() > 1e-2  # T = 1 scores a different distribution
+
+
+QWEN3_LIKE = ("{%- for m in messages -%}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+              "{%- endfor -%}{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}"
+              "{%- if enable_thinking is defined and enable_thinking is false -%}{{ '<think>\n\n</think>\n\n' }}"
+              "{%- endif -%}{%- endif -%}")
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_render_prompt_turns_thinking_off(random_llama_dir, name):
+    """A Qwen3-style template gets enable_thinking=False (the empty think block ΔBelief's official code
+    elicits beliefs after); a template without the variable renders as before."""
+    from transformers import AutoTokenizer
+
+    mod = importlib.import_module(name)
+    tok = AutoTokenizer.from_pretrained(str(random_llama_dir))
+    msgs = [{"role": "user", "content": "Is it an animal?"}]
+    plain = mod.render_prompt(tok, msgs)
+    assert plain.endswith("<|im_start|>assistant\n") and "<think>" not in plain
+    tok.chat_template = QWEN3_LIKE
+    assert mod.render_prompt(tok, msgs) == plain + "<think>\n\n</think>\n\n"

@@ -342,6 +342,19 @@ def test_messages_list_all_questions_and_few_candidates():
         envs.make("twenty_questions", show_candidates=-1)
 
 
+def test_prompt_after_a_game_lost_at_the_limit_keeps_the_format():
+    """The last belief of a lost game is elicited on this prompt: the counter stays at 20 of 20 and the
+    candidate list is still shown, as in the turns that were played."""
+    env = envs.make("twenty_questions")
+    env.max_turns = 6
+    play(env, "cat", ["Is it an animal?", "Is it a mammal?", "Is it kept as a pet?", "Does it bark?", "Is it happy?",
+                      "Is it a rabbit?"])
+    assert env.done
+    user = env.messages()[1]["content"]
+    assert user.endswith("Possible words: cat, hamster.\nQuestion 6 of 6:")
+    assert "Question 7" not in user
+
+
 def test_unknown_task_id_is_an_error(env):
     with pytest.raises(ValueError, match="unknown twenty_questions task id"):
         env.reset("unicorn")
