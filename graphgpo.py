@@ -35,8 +35,12 @@ Deviations from the paper
 - Fuzzy matching uses difflib's SequenceMatcher ratio on the state text (as the official code's
   `enable_similarity` does), not the embedding similarity that App. D.3 describes.
 Deviations from the official code (verl-agent recipe/GraphGPO @ 234a9136)
-- Step reward 10 * omega^(d+1) as in Eq. 4; the code uses 10 * omega^d. The constant factor omega is
-  removed by the std normalisation, so advantages are identical.
+- Step reward 10 * omega^(d+1) - 0.1 * invalid as in Eq. 4 (unit cost c = 1) and the paper's penalty; the
+  code uses 10 * omega^d - 0.1 * invalid (`--step-cost 0`). Without invalid actions the factor omega
+  cancels in the std normalisation; with them our penalty weighs 1/omega times more against the distance
+  term (x1.25 Sokoban, x5 WebShop, x10 ALFWorld) and the ranking of steps can change (docs/graphgpo.md).
+- Fuzzy matching calls SequenceMatcher with autojunk=False; the code keeps difflib's default
+  autojunk=True, whose popular-character heuristic changes the ratio of states of 200+ characters.
 - Episode advantage over the M trajectories (Eq. 2) with R(tau) = 10 * success - 0.1 * #invalid; the
   code normalises episode_reward - 0.1 * invalid(row) over all step rows of the group (long
   trajectories weigh more there; upstream issue #138).
@@ -161,6 +165,9 @@ class Args:
     """GiGPO discount of the step returns (paper: 0.95)"""
     invalid_penalty: float = 0.1
     """subtracted from the step reward of an invalid action before normalisation (paper: 0.1)"""
+    step_cost: float = 1.0
+    """unit cost c(s, a) in the exponent of Eq. 4, R = r_succ ω^(d(s') + c) (paper: 1; the official code: 0,
+    which scales the distance term by 1/ω against the invalid penalty)"""
     beta_graph: float = 1.0
     """β_G, weight of the step-level advantage (paper: 1)"""
     beta_episode: float = 1.0
@@ -250,10 +257,10 @@ def _split(flat, lengths):
 
 
 def graph_step_advantages(episodes, success, omega, r_succ=10.0, eps=1e-6, invalid=None, invalid_penalty=0.1,
-                          node_of=None, return_stats=False):
+                          node_of=None, return_stats=False, step_cost=1.0):
     """GraphGPO step advantages of one group (Eq. 4-6).
 
-        R_t = r_succ * omega^(d(s_{t+1}) + 1) - invalid_penalty * invalid_t
+        R_t = r_succ * omega^(d(s_{t+1}) + c) - invalid_penalty * invalid_t,   c = step_cost (paper: 1)
         A_t = (R_t - mean_{G(s_t)} R) / (std_{G(s_t)} R + eps),  G(s) = all steps whose source key is s
 
     episodes[m] = [s_1, ..., s_{T+1}] (T actions). For a successful trajectory (success[m]) the last
@@ -280,7 +287,7 @@ def graph_step_advantages(episodes, success, omega, r_succ=10.0, eps=1e-6, inval
             transitions.append((nodes[t], nodes[t + 1]))
             steps.append((states[t], nodes[t + 1], bool(invalid[m][t]) if invalid is not None else False))
     dist = graph_distances(transitions, GOAL)
-    R = [r_succ * omega ** (dist[nxt] + 1) - invalid_penalty * inv for _, nxt, inv in steps]
+    R = [r_succ * omega ** (dist[nxt] + step_cost) - invalid_penalty * inv for _, nxt, inv in steps]
     keys = [s for s, _, _ in steps]
     adv = _split(_normalise_in_groups(R, keys, eps), lengths)
     if not return_stats:
@@ -733,7 +740,8 @@ def credit(eps, args, omega):
             keys = list(dict.fromkeys(s for ep in grp for s in ep.states))
             node_of = fuzzy_node_map(keys, args.similarity_threshold)
         a_graph, gs = graph_step_advantages(states, success, omega, args.r_succ, args.adv_eps, invalid,
-                                            args.invalid_penalty, node_of=node_of, return_stats=True)
+                                            args.invalid_penalty, node_of=node_of, return_stats=True,
+                                            step_cost=args.step_cost)
         graph_seconds += time.perf_counter() - t0
         if args.step_advantage == "graph":
             a_step = a_graph

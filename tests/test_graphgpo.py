@@ -105,6 +105,24 @@ def test_graph_step_advantages_no_success_and_invalid_penalty():
         np.testing.assert_array_equal(a, 0.0)
 
 
+def test_graph_step_advantages_step_cost_changes_ranking_with_invalid_actions():
+    # omega 0.2. A: s0 -> s0 -> s2 -> goal, all three actions invalid (success); B: s0 -> s1 (valid, failure).
+    # d(goal) 0, d(s2) 1, d(s0) 2, d(s1) = inf -> d_max + 1 = 3. The s0 group holds A's first two steps and B's.
+    # c = 1 (paper): R = 10*0.2^3 - 0.1 = -0.02, 10*0.2^2 - 0.1 = 0.3, 10*0.2^4 = 0.016; mean 0.098667,
+    #   deviations -0.118667, 0.201333, -0.082667; unbiased var 0.0307253; std 0.175286
+    #   -> A = -0.67700, 1.14859, -0.47161
+    # c = 0 (official): R = 0.3, 1.9, 0.08; mean 0.76; deviations -0.46, 1.14, -0.68; var 0.9868; std 0.993378
+    #   -> A = -0.46307, 1.14760, -0.68453
+    eps = [["s0", "s0", "s2", "end"], ["s0", "s1"]]
+    inv = [[True, True, True], [False]]
+    paper = gg.graph_step_advantages(eps, [True, False], omega=0.2, eps=0.0, invalid=inv)
+    np.testing.assert_allclose([paper[0][0], paper[0][1], paper[1][0]], [-0.67700, 1.14859, -0.47161], atol=1e-4)
+    official = gg.graph_step_advantages(eps, [True, False], omega=0.2, eps=0.0, invalid=inv, step_cost=0.0)
+    np.testing.assert_allclose([official[0][0], official[0][1], official[1][0]], [-0.46307, 1.14760, -0.68453],
+                               atol=1e-4)
+    assert gg.Args().step_cost == 1.0
+
+
 def test_graph_step_advantages_singletons_and_empty_episode():
     # no state repeats anywhere -> all steps are singleton groups -> 0, even with a success
     adv = gg.graph_step_advantages([["a", "b", "c"], ["x", "y"], ["q"]], [True, False, False], omega=0.8)
