@@ -22,7 +22,7 @@ Equations -> functions
 - Eq. 3  A_E(τ_i) = (r_o(τ_i) - mean R_o) / std R_o   (GRPO) or RLOO     -> `istar_advantages`
 - Eq. 4  A_S(a_t^i) = (r_φ(a_t^i) - mean R_s) / std R_s, R_s = ∪_{i,t}    -> `istar_advantages`
 - Eq. 5  A = A_E + α A_S                                                  -> `istar_advantages`
-- Eq. 6  clipped surrogate on the step-level ratio, token-mean, no KL    -> `policy_loss`
+- Eq. 6  clipped surrogate on the step-level ratio, step-mean, no KL     -> `policy_loss`
 - official `istar_norm: batch_norm` (step rewards / max |r| of the batch) -> `normalize_step_rewards`
 
 Deviations from the paper
@@ -48,6 +48,8 @@ Deviations from the official code (Tongyi-ConvAI/Tongyi-Character @ dfee104)
   computed in two passes (scores without graph, then dL/dr_s re-injected per micro-batch), which gives
   the same gradient as one pooled backward but keeps only one micro-batch's activations.
 - Pairs are formed over the whole group (the official code pairs only rows on the same GPU shard).
+- Eq. 6's step-level ratio, averaged over steps, is the default; the official verl loss (per-token
+  ratios, token-mean) is `--ratio-level token`.
 
 Example
     python istar.py --env-id sokoban --seed 1                 # iStar on RLOO, tiny policy, CPU
@@ -174,6 +176,9 @@ class Args:
     """ε of the clipped ratio (paper: 0.2)"""
     dual_clip: float = 3.0
     """dual-clip constant for negative advantages (verl, as run officially; 0 disables)"""
+    ratio_level: Literal["step", "token"] = "step"
+    """'step': one ratio per action, exp of its mean token log-ratio, every step weighs the same (paper
+    Eq. 6, GSPO-style); 'token': per-token ratios, token-mean (the official verl loss)"""
     num_minibatches: int = 2
     """policy optimizer steps per iteration (the steps are split into this many minibatches)"""
     micro_batch_size: int = 64
@@ -506,13 +511,23 @@ def prm_update(model, tok, optimizer, samples, traj_success, traj_group, args):
     return tok_r, r, stats
 
 
-def policy_loss(logp, old_logp, adv, weights, clip_eps, dual_clip):
-    """Clipped surrogate (Eq. 6) with optional dual clip; `weights` carry the token-mean aggregation.
+def policy_loss(logp, old_logp, adv, weights, clip_eps, dual_clip, step_mask=None):
+    """Clipped surrogate (Eq. 6) with optional dual clip; `weights` carry the aggregation.
 
         ratio = exp(logp - old); l = -min(ratio A, clip(ratio, 1 - ε, 1 + ε) A)
         for A < 0: l = min(l, -c A)   (dual clip);   loss = Σ weights * l
+
+    With `step_mask` (the completion mask [B, C]) the ratio is the step's (Eq. 6, as GSPO):
+    s = exp(mean over the step's tokens of (logp - old)), used for every token of the step in the form
+    s * π_t / sg(π_t), whose value is s and whose gradient is s ∇log π_t; with weights 1 / (len · steps)
+    this is exactly the gradient of the per-step loss -min(s A, clip(s) A) averaged over steps.
     """
-    ratio = torch.exp(logp - old_logp)
+    if step_mask is not None:
+        n = step_mask.sum(-1, keepdim=True).clamp(min=1.0)
+        log_s = ((logp - old_logp) * step_mask).sum(-1, keepdim=True) / n
+        ratio = torch.exp(log_s.detach() + logp - logp.detach())
+    else:
+        ratio = torch.exp(logp - old_logp)
     l1 = -adv * ratio
     l2 = -adv * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
     loss_tok = torch.maximum(l1, l2)
@@ -524,7 +539,8 @@ def policy_loss(logp, old_logp, adv, weights, clip_eps, dual_clip):
 
 def policy_update(model, tok, optimizer, samples, args, rng):
     """One pass over the steps in `num_minibatches` optimizer steps of the policy adapter. samples: dicts
-    with prompt, completion, old (token log-probs) and adv (per-token advantages). Token-mean loss."""
+    with prompt, completion, old (token log-probs) and adv (per-token advantages). Step-level ratio and
+    step-mean (`--ratio-level step`, Eq. 6) or per-token ratios and token-mean (`token`)."""
     device = next(model.parameters()).device
     model.set_adapter("default")
     model.train()
@@ -545,7 +561,11 @@ def policy_update(model, tok, optimizer, samples, args, rng):
             C = lp.shape[1]
             old = _padded(chunk, "old", C, device)
             adv = _padded(chunk, "adv", C, device)
-            loss, clipped, _ = policy_loss(lp, old, adv, m / ntok, args.clip_eps, args.dual_clip)
+            if args.ratio_level == "step":
+                w = m / (m.sum(-1, keepdim=True).clamp(min=1.0) * len(mb))
+                loss, clipped, _ = policy_loss(lp, old, adv, w, args.clip_eps, args.dual_clip, step_mask=m)
+            else:
+                loss, clipped, _ = policy_loss(lp, old, adv, m / ntok, args.clip_eps, args.dual_clip)
             loss.backward()
             tot_loss += float(loss.detach())
             with torch.no_grad():

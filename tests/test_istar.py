@@ -167,6 +167,37 @@ def test_istar_advantages_permutation_equivariant():
             istar_advantages(OUT, TG, SR, TI, estimator=est).tolist())
 
 
+def test_policy_loss_step_level_ratio_hand_computed():
+    # step 0: two tokens, log-ratios 0.05 and 0.15 -> s = exp(0.10) = 1.105171, A = +1 (inside the clip range)
+    # step 1: one token, log-ratio -0.10 -> s = exp(-0.10) = 0.904837, A = +2
+    # per-step loss -s A, averaged over the 2 steps: (-1.105171 - 1.809675) / 2 = -1.457423
+    # gradient w.r.t. each token log-prob: -A s / (len * steps): step 0: -1.105171 / 4 = -0.276293 (both
+    # tokens), step 1: -2 * 0.904837 / 2 = -0.904837
+    from istar import policy_loss
+
+    logp = torch.tensor([[-1.0, -2.0], [0.0, -0.5]], dtype=torch.float64, requires_grad=True)
+    old = logp.detach() - torch.tensor([[0.05, 0.15], [0.0, -0.10]], dtype=torch.float64)
+    m = torch.tensor([[1.0, 1.0], [0.0, 1.0]], dtype=torch.float64)
+    adv = torch.tensor([[1.0, 1.0], [0.0, 2.0]], dtype=torch.float64)
+    w = m / (m.sum(-1, keepdim=True) * 2)
+    loss, clipped, ratio = policy_loss(logp, old, adv, w, 0.2, 0.0, step_mask=m)
+    assert abs(float(loss) - (-1.457423)) < 1e-5
+    np.testing.assert_allclose(ratio.detach()[0], [1.105171, 1.105171], atol=1e-6)
+    loss.backward()
+    np.testing.assert_allclose(logp.grad.numpy(), [[-0.276293, -0.276293], [0.0, -0.904837]], atol=1e-6)
+    # per-token ratios (the official verl loss), token-mean over 3 tokens: exp(0.05), exp(0.15), 2 exp(-0.1)
+    # -> -(1.051271 + 1.161834 + 1.809675) / 3 = -1.340927
+    tok_loss, _, _ = policy_loss(logp.detach(), old, adv, m / 3, 0.2, 0.0)
+    assert abs(float(tok_loss) - (-1.340927)) < 1e-5
+    # a step whose mean log-ratio leaves the clip range is clipped as a whole: log-ratios 0.1, 0.3 -> s = exp(0.2)
+    logp2 = logp.detach().clone().requires_grad_(True)
+    old2 = logp2.detach() - torch.tensor([[0.1, 0.3], [0.0, -0.10]], dtype=torch.float64)
+    loss2, clipped2, _ = policy_loss(logp2, old2, adv, w, 0.2, 0.0, step_mask=m)
+    assert abs(float(loss2) - (-(1.2 + 1.809675) / 2)) < 1e-5
+    loss2.backward()
+    assert logp2.grad[0].abs().max() == 0 and clipped2[0].eq(1).all()
+
+
 def test_normalize_step_rewards():
     # max |r| = 2 -> [0.25, -1, 0.5]
     assert normalize_step_rewards(torch.tensor([0.5, -2.0, 1.0]), eps=0.0).tolist() == [0.25, -1.0, 0.5]
