@@ -512,6 +512,21 @@ def policy_loss(logp, old_logp, adv, weights, clip_low, clip_high, dual_clip):
     return (loss_tok * weights).sum(), clipped, ratio
 
 
+def minibatches(trajs, n, rng, whole_games):
+    """Split sample indices into n shuffled minibatches; trajs[i] is sample i's game id. With `whole_games`
+    the games are shuffled and split, so every turn of a game lands in one minibatch (the official code's
+    grouping: under seq-mean-token-mean a game split over two minibatches would weigh about twice)."""
+    n = max(1, n)
+    if not whole_games:
+        return [list(b) for b in np.array_split(rng.permutation(len(trajs)), n)]
+    games = list(dict.fromkeys(trajs))
+    members = {g: [] for g in games}
+    for i, g in enumerate(trajs):
+        members[g].append(i)
+    order = [games[k] for k in rng.permutation(len(games))]
+    return [[i for g in part for i in members[g]] for part in np.array_split(np.array(order, dtype=object), n)]
+
+
 def update(model, tok, optimizer, samples, args, rng):
     """One pass over the turns in `num_minibatches` optimizer steps. samples: dicts with prompt,
     completion, adv, traj (global game id). Returns loss statistics."""
@@ -527,9 +542,9 @@ def update(model, tok, optimizer, samples, args, rng):
             for j, x in enumerate(chunk):
                 x["old"] = lp[j, lp.shape[1] - len(x["completion"]):].detach()
     model.train()
-    order = rng.permutation(len(samples))
     stats = {"loss": [], "kl": [], "clipfrac": [], "grad_norm": []}
-    for mb_idx in np.array_split(order, max(1, args.num_minibatches)):
+    for mb_idx in minibatches([x["traj"] for x in samples], args.num_minibatches, rng,
+                              whole_games=agg == "seq-mean-token-mean"):
         mb = [samples[i] for i in mb_idx]
         if not mb:
             continue

@@ -234,3 +234,19 @@ def test_unknown_eval_env_is_one_clear_line(tiny_cache):
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "error:" in proc.stderr and "no_such_env" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_minibatches_keep_whole_games_for_starpo():
+    # games 7 (3 turns), 8 (1 turn), 9 (2 turns), 10 (2 turns) -> 8 samples, 2 minibatches
+    trajs = [7, 7, 8, 9, 7, 9, 10, 10]
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        parts = db.minibatches(trajs, 2, rng, whole_games=True)
+        assert len(parts) == 2 and sorted(i for p in parts for i in p) == list(range(8))
+        for p in parts:
+            for i in p:  # every turn of a game is in the same minibatch
+                assert all(j in p for j in range(8) if trajs[j] == trajs[i])
+            assert len({trajs[i] for i in p}) == 2  # 4 games split 2 / 2
+    split = [db.minibatches(trajs, 2, np.random.default_rng(s), whole_games=False) for s in range(20)]
+    assert all(sorted(i for p in parts for i in p) == list(range(8)) for parts in split)
+    assert any({trajs[i] for i in parts[0]} & {trajs[i] for i in parts[1]} for parts in split)  # turns shuffled
