@@ -42,12 +42,20 @@ Deviations from the paper
 Deviations from the official code (rhyang2021/ARIA @ 4a6b895)
 - Average linkage (paper App. D) by default; `--linkage ward` is the official code's choice.
 - SplitScore over all steps at every turn (the official single-agent script only matches first turns),
-  ε = 0.01, τ = 10 as in the paper (official: 0.005/20 single-agent, 0.01/17 two-player).
+  ε = 0.01, τ = 10 as in the paper (official: ε 0.005 single-agent, 0.01 two-player, with a stable count
+  of 20 / 17, which is τ = 19 / 16 in the paper's rule). Two-player: one pooled SplitScore over both
+  players' steps; the official code averages the two players' mean changes (measured up to 0.025 apart).
+- Two-player games: a game that ends on Alice's move keeps that move in training and in the aggregation;
+  the official code cuts both players to min(len(alice), len(bob)) moves and drops it.
 - Every step is trained, the first one included, with the discount γ^(T-t) (last step γ^0) for both
   players; the official code skips the first action, uses γ^(T-j) with the last action at γ^1, and
   discounts Bob not at all.
-- The training prompt is the one the action was sampled from (chat template, full history), scored as
-  one left-padded sequence; the official code lags the history by one turn and tokenises without it.
+- The training prompt is the one the action was sampled from (chat template; the single-agent envs'
+  full history, the two-player games' last 4 moves, the env default), scored as one left-padded
+  sequence; the official code lags the history by one turn and tokenises without it.
+- Negotiation and Bargaining are the envs in envs/, not the paper's prompts: the seller's prompt does not
+  state the product's worth to the buyer, only the buyer can walk away, and Bargaining lasts 4-10 rounds
+  (paper: 20). See docs/aria.md.
 - Twenty Questions answers are labelled by their exact text (the official code uses a Yes/No keyword
   rule); free-text observations (Guess My City) are clustered jointly with the actions, as officially.
 
