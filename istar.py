@@ -35,6 +35,8 @@ Deviations from the paper
   (β-scaled log-ratios, ~1e-2) would be negligible next to the episode term. `--step-reward-norm none`
   turns it off.
 - The invalid-action penalty (0.1) is subtracted from the trajectory's outcome once per invalid step.
+- Sokoban's outcome is the episode return of the paper's shaped reward (-0.1 per step, +-1 per box on/off
+  a target, +10 on solving; `--sokoban-reward sparse` for 10 on solving only); the DPO pairs use success.
 - Trajectory score in Eq. 2: the mean of its step rewards by default (the official code; the text says
   "summed and averaged"); `--dpo-reduce sum` reads Eq. 2 literally.
 - Sokoban here is a text grid (envs/sokoban.py) played by a tiny from-scratch policy on CPU, with a
@@ -128,6 +130,9 @@ class Args:
     Sokoban) or else the env's default"""
     max_turns: int = 0
     """most steps per episode (0: the env's default; paper: 15 on Sokoban, 10 on WebShop)"""
+    sokoban_reward: Literal["shaped", "sparse"] = "shaped"
+    """Sokoban's outcome r_o: 'shaped' (the paper's: -0.1 per step, +-1 per box on/off target, +10 on
+    solving) or 'sparse' (10 on solving); positive trajectories are the solved ones either way"""
     opponent: str = "rule:fair"
     """scripted opponent of two-player envs (bargaining, negotiation)"""
     eval_num_tasks: int = 100
@@ -712,6 +717,8 @@ def make_env_factory(args):
     kw = policy_env_kwargs(args.model_name, args.env_id, args.tiny_preset)
     if args.history is not None:
         kw["history"] = args.history
+    if args.env_id == "sokoban":
+        kw["reward"] = args.sokoban_reward
 
     def make():
         env = envs.make(args.env_id, **kw)

@@ -378,3 +378,19 @@ def test_bad_flag_is_one_clear_line(tiny_cache):
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "error:" in proc.stderr and "no_such_env" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_sokoban_outcome_is_the_papers_shaped_reward():
+    # the shaped return of a solved 1-box level: -0.1 per step, +1 for the box on its target, +10 on solving
+    import istar
+
+    make, probe = istar.make_env_factory(istar.Args())  # the default tiny recipe's 1-box levels (not built here)
+    env = make()
+    env.reset(env.task_ids("train")[0])
+    total, n = 0.0, 0
+    while not env.done:
+        total += env.step(env.expert_action()).reward
+        n += 1
+    assert env.reward_type == "shaped" and abs(total - (11.0 - 0.1 * n)) < 1e-9
+    make, _ = istar.make_env_factory(istar.Args(tiny_preset="micro", sokoban_reward="sparse"))
+    assert make().reward_type == "sparse"
