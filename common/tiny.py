@@ -111,6 +111,15 @@ PRESETS: dict[str, dict] = {
     ),
 }
 
+# Recipe keys that a preset does not carry: stored in a recipe (and its hash) only when set, so that the
+# recipes, hashes and cached builds of every env that does not use them stay what they were.
+OPTIONAL_KEYS: dict[str, Any] = {
+    # ε of the first completion token's target: (1 - ε) on the expert's token, ε spread evenly over the
+    # first tokens of the env's admissible actions. The policy then keeps about ε of its mass on other
+    # moves when it samples, like a pretrained model that knows the move but does not always play it.
+    "action_smoothing": 0.0,
+}
+
 # Per-env changes to the "default" preset (micro stays generic). Chosen so that the default build takes
 # under 10 minutes on 2 CPU cores and its sampled test success lies well inside (0.2, 0.8).
 ENV_OVERRIDES: dict[str, dict] = {
@@ -154,8 +163,9 @@ def recipe_for(env_id: str, preset: str = "default", overrides: Optional[dict] =
     if preset == "default":
         recipe.update(copy.deepcopy(ENV_OVERRIDES.get(env_id, {})))
     for key, value in (overrides or {}).items():
-        if key not in recipe:
-            raise ValueError(f"unknown tiny recipe key {key!r}; known keys: {', '.join(sorted(recipe))}")
+        if key not in recipe and key not in OPTIONAL_KEYS:
+            known = sorted(set(recipe) | set(OPTIONAL_KEYS))
+            raise ValueError(f"unknown tiny recipe key {key!r}; known keys: {', '.join(known)}")
         if key == "env_kwargs":  # merged, so an override adds env options to the per-env ones
             value = {**recipe["env_kwargs"], **dict(value)}
         recipe[key] = value
@@ -376,16 +386,25 @@ def _batch(examples: list[tuple[list[int], list[int]]], pad_id: int):
     return ids, mask, pos, cmask, comp
 
 
-def completion_loss(model, examples, pad_id: int, reduction: str = "mean") -> torch.Tensor:
+def completion_loss(model, examples, pad_id: int, reduction: str = "mean", smooth_ids=None,
+                    smoothing: float = 0.0) -> torch.Tensor:
     """Mean cross-entropy over completion tokens. Completions sit at the right end of a left-padded
-    row, so only the last `comp + 1` logits are computed (`logits_to_keep`)."""
+    row, so only the last `comp + 1` logits are computed (`logits_to_keep`). With `smoothing` ε > 0 the
+    first completion token's target is (1 - ε) on the label and ε spread evenly over `smooth_ids`:
+    loss = (1 - ε) NLL(label) + ε mean_k NLL(k) at that position."""
     ids, mask, pos, cmask, comp = _batch(examples, pad_id)
     logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=comp + 1).logits
     logits = logits[:, :-1].float()
     target = ids[:, -comp:]
     m = cmask[:, -comp:]
     nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1), reduction="none")
-    nll = nll.view_as(target)[m]
+    nll = nll.view_as(target)
+    if smoothing and smooth_ids is not None and len(smooth_ids):
+        first = m & (m.long().cumsum(-1) == 1)
+        k = torch.as_tensor(list(smooth_ids), dtype=torch.long, device=logits.device)
+        spread = -(logits.log_softmax(-1)[..., k]).mean(-1)
+        nll = torch.where(first, (1.0 - smoothing) * nll + smoothing * spread, nll)
+    nll = nll[m]
     return nll.sum() if reduction == "sum" else nll.mean()
 
 
@@ -403,8 +422,10 @@ def lr_factor(step: int, recipe: dict) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * (step - start) / max(1, steps - start)))
 
 
-def sft(model, examples, recipe: dict, pad_id: int, progress: bool = True, desc: str = "sft") -> list[float]:
-    """SFT on (prompt ids, completion ids) pairs; returns the per-step training losses."""
+def sft(model, examples, recipe: dict, pad_id: int, progress: bool = True, desc: str = "sft",
+        smooth_ids=None) -> list[float]:
+    """SFT on (prompt ids, completion ids) pairs; returns the per-step training losses. `smooth_ids`:
+    the first tokens of the admissible actions, for the recipe's `action_smoothing`."""
     from tqdm.auto import tqdm
 
     gen = torch.Generator().manual_seed(recipe["seed"])
@@ -424,7 +445,8 @@ def sft(model, examples, recipe: dict, pad_id: int, progress: bool = True, desc:
         for step in bar:
             start = int(torch.randint(len(by_len) - window + 1, (1,), generator=gen))
             pick = torch.randperm(window, generator=gen)[:bs].tolist()
-            loss = completion_loss(model, [examples[by_len[start + j]] for j in pick], pad_id)
+            loss = completion_loss(model, [examples[by_len[start + j]] for j in pick], pad_id,
+                                   smooth_ids=smooth_ids, smoothing=recipe.get("action_smoothing", 0.0))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), recipe["grad_clip"])
@@ -540,6 +562,17 @@ def evaluate(model, tok, env_id: str, env_kwargs: Optional[dict] = None, max_tas
 # ----------------------------------------------------------------------------------------------
 # Build and cache
 # ----------------------------------------------------------------------------------------------
+def action_first_tokens(env_id: str, recipe: dict, tok) -> list[int]:
+    """The distinct first tokens of the admissible actions at the start of the first train task (the
+    support of `action_smoothing`). An env without a fixed action list cannot use the option."""
+    env = _make_env(env_id, recipe)
+    env.reset(list(env.task_ids("train"))[0])
+    actions = list(env.admissible_actions()) if hasattr(env, "admissible_actions") else []
+    if not actions:
+        raise ValueError(f"action_smoothing needs admissible actions; env {env_id!r} has none")
+    return sorted({tok(a, add_special_tokens=False)["input_ids"][0] for a in actions})
+
+
 def build_tiny(env_id: str, recipe: dict, out_dir: Path, progress: bool = True) -> dict:
     """Build the tiny policy of `recipe` into `out_dir` (weights, tokenizer, tiny_meta.json)."""
     from transformers import GenerationConfig
@@ -578,7 +611,8 @@ def build_tiny(env_id: str, recipe: dict, out_dir: Path, progress: bool = True) 
     torch.manual_seed(recipe["seed"])
     model = build_model(recipe, tok, max_positions)
     t1 = time.time()
-    losses = sft(model, train, recipe, tok.pad_token_id, progress, desc=f"{env_id} sft")
+    smooth_ids = action_first_tokens(env_id, recipe, tok) if recipe.get("action_smoothing") else None
+    losses = sft(model, train, recipe, tok.pad_token_id, progress, desc=f"{env_id} sft", smooth_ids=smooth_ids)
     t_sft = time.time() - t1
     val_loss = None
     if val:

@@ -74,6 +74,33 @@ def test_recipe_hash_tracks_every_value():
         tiny.recipe_for("sokoban", "huge")
 
 
+def test_optional_recipe_key_leaves_other_hashes_alone():
+    base = tiny.recipe_for("sokoban", "default")
+    assert "action_smoothing" not in base  # absent unless set: existing recipes keep their hashes
+    smoothed = tiny.recipe_for("sokoban", "default", {"action_smoothing": 0.3})
+    assert smoothed["action_smoothing"] == 0.3 and tiny.recipe_hash(smoothed) != tiny.recipe_hash(base)
+
+
+def test_completion_loss_action_smoothing_hand_computed():
+    # logits [0, ln 3, 0, 0, 0] at every position -> p = (1, 3, 1, 1, 1) / 7. Completion [1, 4]:
+    #   token 1: NLL ln(7/3) = 0.847298; smoothed over ids {0, 1, 2} with eps 0.3:
+    #   0.7 * 0.847298 + 0.3 * (ln 7 + ln(7/3) + ln 7) / 3 = 0.593109 + 0.473913 = 1.067022
+    #   token 4 (not the first): NLL ln 7 = 1.945910, never smoothed -> mean (1.067022 + 1.945910) / 2
+    import math
+    from types import SimpleNamespace
+
+    class Fixed(torch.nn.Module):
+        def forward(self, input_ids, attention_mask, position_ids, logits_to_keep):
+            z = torch.tensor([0.0, math.log(3.0), 0.0, 0.0, 0.0])
+            return SimpleNamespace(logits=z.expand(input_ids.shape[0], logits_to_keep, 5))
+
+    ex = [([2, 3], [1, 4]), ([3], [1, 4])]
+    plain = tiny.completion_loss(Fixed(), ex, pad_id=0)
+    assert abs(float(plain) - (0.847298 + 1.945910) / 2) < 1e-5
+    smooth = tiny.completion_loss(Fixed(), ex, pad_id=0, smooth_ids=[0, 1, 2], smoothing=0.3)
+    assert abs(float(smooth) - (1.067022 + 1.945910) / 2) < 1e-5
+
+
 def _uniform_model(vocab: int = 400):
     from transformers import LlamaConfig, LlamaForCausalLM
 
