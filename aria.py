@@ -319,7 +319,11 @@ def decode_action(tok, completion) -> str:
 
 @torch.no_grad()
 def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False):
-    """One batched generate (left padding, top_k=0, top_p=1, stop at EOS). Returns completion id lists."""
+    """One batched generate (left padding, top_k=0, top_p=1, stop at EOS); temperature <= 0 is greedy.
+    Returns completion id lists: each row up to and including its first EOS, or all `max_new_tokens`
+    tokens when it has none (every one of them was sampled, even one that happens to be the pad id)."""
+    if not prompt_ids:
+        return []
     device = next(model.parameters()).device
     pad = tok.pad_token_id
     L = max(len(p) for p in prompt_ids)
@@ -328,7 +332,8 @@ def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False):
     for i, p in enumerate(prompt_ids):
         input_ids[i, L - len(p):] = torch.tensor(p)
         attn[i, L - len(p):] = 1
-    kw = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+    sample = not greedy and temperature > 0
+    kw = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if sample else dict(do_sample=False)
     out = model.generate(input_ids=input_ids.to(device), attention_mask=attn.to(device), max_new_tokens=max_new_tokens,
                          pad_token_id=pad, eos_token_id=tok.eos_token_id, **kw)
     comps = []
@@ -809,6 +814,9 @@ def print_learning(s):
 
 
 class Logger:
+    """metrics.jsonl (one row per iteration; NaN and inf are written as null, so every line is valid JSON),
+    samples.jsonl (decoded episodes) and, with --track, TensorBoard scalars."""
+
     def __init__(self, run_dir: Path, track: bool):
         self.f = open(run_dir / "metrics.jsonl", "a")
         self.samples = open(run_dir / "samples.jsonl", "a")
@@ -821,6 +829,7 @@ class Logger:
                 print("--track: tensorboard is not installed; logging to metrics.jsonl only")
 
     def log(self, it: int, row: dict):
+        row = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
         self.f.write(json.dumps({"iteration": it, **row}) + "\n")
         self.f.flush()
         if self.tb:

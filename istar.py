@@ -330,7 +330,11 @@ def encode(tok, text: str) -> list:
 
 @torch.no_grad()
 def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False):
-    """One batched generate (left padding, top_k=0, top_p=1, stop at EOS). Returns completion id lists."""
+    """One batched generate (left padding, top_k=0, top_p=1, stop at EOS); temperature <= 0 is greedy.
+    Returns completion id lists: each row up to and including its first EOS, or all `max_new_tokens`
+    tokens when it has none (every one of them was sampled, even one that happens to be the pad id)."""
+    if not prompt_ids:
+        return []
     device = next(model.parameters()).device
     pad = tok.pad_token_id
     L = max(len(p) for p in prompt_ids)
@@ -339,16 +343,15 @@ def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False):
     for i, p in enumerate(prompt_ids):
         input_ids[i, L - len(p):] = torch.tensor(p)
         attn[i, L - len(p):] = 1
-    kw = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+    sample = not greedy and temperature > 0
+    kw = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if sample else dict(do_sample=False)
     out = model.generate(input_ids=input_ids.to(device), attention_mask=attn.to(device), max_new_tokens=max_new_tokens,
                          pad_token_id=pad, eos_token_id=tok.eos_token_id, **kw)
     comps = []
     for row in out[:, L:].tolist():
         if tok.eos_token_id in row:
             row = row[: row.index(tok.eos_token_id) + 1]
-        elif pad in row:  # a row that stopped early is padded after its end
-            row = row[: row.index(pad)]
-        comps.append(row or [tok.eos_token_id])
+        comps.append(row)
     return comps
 
 
@@ -671,6 +674,9 @@ def print_learning(s):
 
 
 class Logger:
+    """metrics.jsonl (one row per iteration; NaN and inf are written as null, so every line is valid JSON),
+    samples.jsonl (decoded episodes) and, with --track, TensorBoard scalars."""
+
     def __init__(self, run_dir: Path, track: bool):
         self.f = open(run_dir / "metrics.jsonl", "a")
         self.samples = open(run_dir / "samples.jsonl", "a")
@@ -683,17 +689,17 @@ class Logger:
                 print("--track: tensorboard is not installed; logging to metrics.jsonl only")
 
     def log(self, it: int, row: dict):
-        row = {k: _finite(v) for k, v in row.items()}
+        row = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
         self.f.write(json.dumps({"iteration": it, **row}) + "\n")
         self.f.flush()
         if self.tb:
             for k, v in row.items():
-                if isinstance(v, (int, float)):
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
                     self.tb.add_scalar(k, v, it)
 
     def log_samples(self, it: int, records: list):
         for r in records:
-            self.samples.write(json.dumps({"iteration": it, **r}) + "\n")
+            self.samples.write(json.dumps({"iteration": it, **r}, default=str) + "\n")
         self.samples.flush()
 
 
