@@ -135,18 +135,18 @@ class Args:
     solving) or 'sparse' (10 on solving); positive trajectories are the solved ones either way"""
     opponent: str = "rule:fair"
     """scripted opponent of two-player envs (bargaining, negotiation)"""
-    eval_num_tasks: int = 100
-    """test tasks per evaluation (0: all test tasks of the env)"""
+    eval_num_tasks: int = 200
+    """test tasks per evaluation (0: all test tasks of the env; Sokoban has 200: standard error <= 0.035)"""
     eval_every: int = 10
     """evaluate every this many iterations (and before training and at the end)"""
     num_logged_episodes: int = 4
     """decoded evaluation episodes written to samples.jsonl per evaluation"""
 
     # algorithm
-    num_iterations: int = 50
-    """training iterations (rollout + PRM update + policy update; paper: 200)"""
-    tasks_per_iteration: int = 8
-    """distinct tasks per iteration (paper: 32 groups on Sokoban, 16 on WebShop)"""
+    num_iterations: int = 40
+    """training iterations (rollout + PRM update + policy update; paper: 200; sized for the CPU default run)"""
+    tasks_per_iteration: int = 4
+    """distinct tasks per iteration (paper: 32 groups on Sokoban, 16 on WebShop; sized for the CPU default run)"""
     group_size: int = 8
     """N: trajectories per task (paper: 8)"""
     learning_rate: Optional[float] = None

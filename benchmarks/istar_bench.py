@@ -182,13 +182,13 @@ def report(runs, out_md, out_png, cmd_line, wall):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--seeds", type=int, nargs="+", default=[4, 5, 6])
     p.add_argument("--modes", nargs="+", default=["istar", "rloo"], choices=list(MODES))
     p.add_argument("--env-id", default="sokoban")
-    p.add_argument("--num-iterations", type=int, default=60)
-    p.add_argument("--tasks-per-iteration", type=int, default=8)
+    p.add_argument("--num-iterations", type=int, default=40)
+    p.add_argument("--tasks-per-iteration", type=int, default=4)
     p.add_argument("--eval-every", type=int, default=10)
-    p.add_argument("--eval-num-tasks", type=int, default=100)
+    p.add_argument("--eval-num-tasks", type=int, default=200)
     p.add_argument("--parallel", type=int, default=2, help="runs at a time (each uses one torch thread)")
     p.add_argument("--out-dir", default=str(REPO / "runs" / "bench_istar"))
     p.add_argument("--report-only", action="store_true")
