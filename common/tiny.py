@@ -171,6 +171,9 @@ def recipe_for(env_id: str, preset: str = "default", overrides: Optional[dict] =
         if key == "env_kwargs":  # merged, so an override adds env options to the per-env ones
             value = {**recipe["env_kwargs"], **dict(value)}
         recipe[key] = value
+    for key, default in OPTIONAL_KEYS.items():  # at its default an optional key is absent (same hash)
+        if key in recipe and recipe[key] == default:
+            del recipe[key]
     if recipe["label"] not in ("taken", "expert"):
         raise ValueError(f"label must be 'taken' or 'expert', got {recipe['label']!r}")
     if recipe["demo_split"] not in ("train", "all"):

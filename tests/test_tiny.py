@@ -75,10 +75,14 @@ def test_recipe_hash_tracks_every_value():
 
 
 def test_optional_recipe_key_leaves_other_hashes_alone():
-    base = tiny.recipe_for("sokoban", "default")
-    assert "action_smoothing" not in base  # absent unless set: existing recipes keep their hashes
-    smoothed = tiny.recipe_for("sokoban", "default", {"action_smoothing": 0.3})
+    base = tiny.recipe_for("twenty_questions", "default")
+    assert "action_smoothing" not in base  # absent unless set: recipes that do not use it keep their hashes
+    smoothed = tiny.recipe_for("twenty_questions", "default", {"action_smoothing": 0.3})
     assert smoothed["action_smoothing"] == 0.3 and tiny.recipe_hash(smoothed) != tiny.recipe_hash(base)
+    assert tiny.recipe_for("sokoban", "default")["action_smoothing"] == 0.3  # the Sokoban default uses it
+    off = tiny.recipe_for("sokoban", "default", {"action_smoothing": 0.0})  # set to its default: absent
+    assert "action_smoothing" not in off
+    assert tiny.recipe_hash(off) != tiny.recipe_hash(tiny.recipe_for("sokoban", "default"))
 
 
 def test_completion_loss_action_smoothing_hand_computed():
