@@ -373,6 +373,16 @@ def with_user_suffix(messages, suffix):
     return out
 
 
+def with_own_strategies(messages, strategies):
+    """An instruct strategist's prompt plus its own earlier strategies of this game (the paper's strategist
+    conditions on them; the env's view shows only the last moves). The tiny strategist is not given them:
+    its prompt format is the one it was trained on."""
+    if not strategies:
+        return messages
+    listed = "; ".join(f"{i}. {s}" for i, s in enumerate(strategies, 1))
+    return with_user_suffix(messages, f"Your earlier strategies in this game: {listed}")
+
+
 @contextlib.contextmanager
 def utterance_moves(env):
     """Temporarily read the env's messages as moves (not strategies): what the base agent writes and sees."""
@@ -393,6 +403,7 @@ class Duel:
         self.env, self.seats, self.real = env, dict(seats), real_model
         env.reset(task_id)
         self.players = tuple(env.players)
+        self.own = {p: [] for p in self.players}  # each policy seat's strategies so far
 
     @property
     def done(self):
@@ -406,9 +417,10 @@ class Duel:
 
     def strategist_messages(self, player):
         msgs = self.env.observe(player)
-        if self.real:  # an instruct strategist: the game, and that it advises rather than plays
+        if self.real:  # an instruct strategist: the game, that it advises rather than plays, its own history
             msgs = [{"role": "system", "content": STRATEGIST_SYSTEM.format(player=player, context=self.context(player))},
                     *msgs[1:]]
+            msgs = with_own_strategies(msgs, self.own[player])
         return msgs
 
     def agent_messages(self, player, strategy):
@@ -442,6 +454,7 @@ class Solo:
 
     def __init__(self, env, task_id, real_model):
         self.env, self.real, self.players, self.seats = env, real_model, ("agent",), {"agent": "policy"}
+        self.own = {"agent": []}
         env.reset(task_id)
         self.total, self.last_info = 0.0, {}
 
@@ -457,7 +470,8 @@ class Solo:
 
     def strategist_messages(self, player):
         msgs = with_user_suffix(self.env.messages(), THOUGHT_FOOTER)
-        return [{"role": "system", "content": THOUGHT_SYSTEM.format(context=self.env.system_prompt)}, *msgs[1:]]
+        msgs = [{"role": "system", "content": THOUGHT_SYSTEM.format(context=self.env.system_prompt)}, *msgs[1:]]
+        return with_own_strategies(msgs, self.own["agent"]) if self.real else msgs
 
     def agent_messages(self, player, strategy):
         return with_user_suffix(self.env.messages(), THOUGHT_HINT.format(strategy=strategy))
@@ -567,6 +581,7 @@ def play(model, tok, games, args, temperature, greedy=False, first_traj_id=0):
             tr.prompts.append(prompts[k])
             tr.completions.append(comps[k])
             tr.strategies.append(strategies[k])
+            games[g].own[p].append(strategies[k])
             tr.views.append(msgs[k][-1]["content"])
             tr.progress.append(prog[g][p])
             tr.understood.append(games[g].understood(strategies[k]))
