@@ -36,3 +36,23 @@ def test_block_is_the_same_text_in_every_method_file(block):
     reference = present["graphgpo.py"]
     drifted = [n for n, t in present.items() if t != reference]
     assert not drifted, f"{block} differs from graphgpo.py's in {drifted}"
+
+
+def test_mean_se_and_learning_summary_by_hand(capsys):
+    import graphgpo as g
+
+    # 4 successes of 10: p 0.4, sample std sqrt(0.4 * 0.6 * 10 / 9) = 0.516398, SE 0.163299
+    m, se = g.mean_se([1, 1, 1, 1, 0, 0, 0, 0, 0, 0])
+    assert m == 0.4 and abs(se - 0.163299) < 1e-6
+    assert g.mean_se([]) == (0.0, 0.0) and g.mean_se([1]) == (1.0, 0.0)
+    first = {"eval/success": 0.50, "eval/success_se": 0.03}
+    # change -0.12, SE sqrt(0.03^2 + 0.04^2) = 0.05: below -2 SE -> fell, and the warning is printed
+    s = g.learning_summary(first, {"eval/success": 0.38, "eval/success_se": 0.04}, "eval/success")
+    assert abs(s["change"] + 0.12) < 1e-12 and abs(s["change_se"] - 0.05) < 1e-12 and s["fell"]
+    g.print_learning(s)
+    assert "WARNING: eval/success fell by more than two standard errors" in capsys.readouterr().out
+    # change -0.08 with the same SE: within noise, no warning
+    s = g.learning_summary(first, {"eval/success": 0.42, "eval/success_se": 0.04}, "eval/success")
+    assert not s["fell"]
+    g.print_learning(s)
+    assert "WARNING" not in capsys.readouterr().out
