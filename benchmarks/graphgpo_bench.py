@@ -290,6 +290,12 @@ def main():
                     print(f"finished {item[0]} seed {item[1]} rc={item[2].returncode} ({time.time() - t0:.0f} s)",
                           flush=True)
                     running.remove(item)
+    record = out_dir / "bench_run.json"  # the command and wall time of the run, kept for --report-only
+    if not args.report_only:
+        record.write_text(json.dumps({"command": cmd_line, "wall_seconds": time.time() - t0}))
+    elif record.is_file():
+        kept = json.loads(record.read_text())
+        cmd_line, t0 = kept["command"], time.time() - kept["wall_seconds"]
     runs = load_runs(out_dir, args.env_id)
     if not runs:
         sys.exit(f"error: no finished runs for {args.env_id} in {out_dir}")
