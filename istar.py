@@ -642,10 +642,6 @@ def pearson(x, y):
     return float(np.corrcoef(x, y)[0, 1])
 
 
-def _finite(v):
-    return None if isinstance(v, float) and not math.isfinite(v) else v
-
-
 def mean_se(values) -> tuple[float, float]:
     """Mean and standard error (sample std / sqrt(n); 0 for fewer than two values) of per-episode values.
     For success flags this is the success rate p and about sqrt(p (1 - p) / n)."""
