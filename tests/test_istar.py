@@ -345,7 +345,8 @@ def test_policy_update_moves_only_the_policy_adapter():
 # and the PRM gets DPO pairs in every iteration.
 SMALL = ["--num-iterations", "2", "--tasks-per-iteration", "3", "--group-size", "6", "--max-turns", "8",
          "--eval-num-tasks", "3", "--eval-every", "2", "--torch-threads", "1", "--lora-r", "8", "--lora-alpha", "16",
-         "--learning-rate", "1e-3", "--max-new-tokens", "4", "--positive-threshold", "-0.05"]
+         "--learning-rate", "1e-3", "--max-new-tokens", "4", "--positive-threshold", "-0.05",
+         "--sokoban-reward", "sparse"]  # positive = no invalid action (outcome 0 - 0.1 per invalid step)
 
 
 def test_end_to_end_istar(run_method):
