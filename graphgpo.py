@@ -90,7 +90,7 @@ class Args:
     """also log to TensorBoard (only if tensorboard is installed)"""
     save_model: bool = True
     """save the LoRA adapter to <run>/adapter at checkpoints and at the end"""
-    checkpoint_every: int = 50
+    checkpoint_every: int = 10
     """save the adapter every this many iterations (0: only at the end)"""
     torch_threads: int = 0
     """CPU threads for torch (0: leave torch's default)"""

@@ -28,8 +28,8 @@ Equations -> functions
 Deviations from the paper
 - LoRA adapters instead of full fine-tuning, so the learning rates are resized (paper: 5e-7 policy,
   1e-6 PRM, full fine-tuning of 7B models). The paper's PRM:policy ratio of 2 is kept. On the tiny
-  policy: 5e-4 / 1e-3 (the tiny-testbed calibration found LoRA r16 lr 5e-4 stable on Sokoban, 1e-3
-  drifted after a few minutes); on a real model: 1e-5 / 2e-5.
+  policy: 5e-4 / 1e-3 (the rate at which GRPO and GraphGPO improve the tiny Sokoban
+  policy, docs/learning.md); on a real model: 1e-5 / 2e-5.
 - Step rewards are divided by the largest |r_φ| of the batch before the advantages (the official code's
   default `istar_norm: batch_norm`; the paper does not mention it). Without it the RLOO step term
   (β-scaled log-ratios, ~1e-2) would be negligible next to the episode term. `--step-reward-norm none`
@@ -95,7 +95,7 @@ class Args:
     """also log to TensorBoard (only if tensorboard is installed)"""
     save_model: bool = True
     """save the LoRA adapters (policy at <run>/adapter, PRM at <run>/adapter/prm) at checkpoints and at the end"""
-    checkpoint_every: int = 50
+    checkpoint_every: int = 10
     """save the adapters every this many iterations (0: only at the end)"""
     torch_threads: int = 0
     """CPU threads for torch (0: leave torch's default)"""

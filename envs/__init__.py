@@ -1,6 +1,6 @@
 """Text environments: `envs.make(env_id, **options)` and `envs.vs_opponent(...)`.
 
-Every env follows the protocol in `envs/base.py` (see DESIGN.md, "Text environments").
+Every env follows the protocol in `envs/base.py` (docs/design.md, "Envs").
 """
 
 from __future__ import annotations

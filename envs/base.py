@@ -1,4 +1,4 @@
-"""The text-environment protocol shared by every env (see DESIGN.md, "Text environments").
+"""The text-environment protocol shared by every env (docs/design.md, "Envs").
 
 Single-agent envs subclass `TextEnv`; two-player games subclass `TwoPlayerEnv` and become single-agent
 envs against a scripted opponent through `vs_opponent` (in `envs/__init__.py`).

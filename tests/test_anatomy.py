@@ -1,4 +1,4 @@
-"""The five method files keep the same section banners in the same order (DESIGN.md, "Anatomy")."""
+"""The five method files keep the same section banners in the same order (docs/design.md, "Anatomy of a method file")."""
 
 import re
 from pathlib import Path

@@ -1,4 +1,4 @@
-"""The text-env protocol (DESIGN.md, "Text environments"), checked on every env of this checkout.
+"""The text-env protocol (docs/design.md, "Envs"), checked on every env of this checkout.
 
 Single-agent envs are the ids in `envs.available()` minus `envs.TWO_PLAYER`; the two-player games are
 checked through `envs.vs_opponent` with each of their scripted opponent styles. Env-specific quality

@@ -200,7 +200,7 @@ def test_lora_state_unknown_adapter_names_the_known_ones(random_llama_dir):
 
 
 # ----------------------------------------------------------------------------------------------
-# The bitsandbytes CPU repacking trap (notes/anchors.md C.3)
+# The bitsandbytes CPU repacking trap (docs/design.md, "Models and traps")
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("avx512bf16", ["this_cpu", "simulated"])
 def test_4bit_cpu_gradients_unchanged_by_eval_generate(random_llama_dir, monkeypatch, avx512bf16):
