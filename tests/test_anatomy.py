@@ -41,3 +41,21 @@ def test_docstring_and_main_guard(name):
     assert text.lstrip().startswith('"""'), f"{name} must open with its docstring"
     assert 'if __name__ == "__main__":' in text
     assert "class Args" in text and "tyro.cli(Args)" in text
+
+
+OUTSIDE = ["DESIGN.md", "../shared", "notes/", "tiny-testbed"]  # the starting design and notes that sat beside it
+
+
+def test_nothing_refers_outside_the_repository():
+    """Code and docs cite only files of this repository (the design it follows is docs/design.md)."""
+    import subprocess
+
+    files = subprocess.run(["git", "ls-files", "*.py", "*.md", "*.txt", ".ci/*"], cwd=REPO, capture_output=True,
+                           text=True).stdout.split()
+    if not files:  # not a git checkout: scan the tree
+        files = [str(p.relative_to(REPO)) for ext in ("py", "md", "txt") for p in REPO.rglob(f"*.{ext}")
+                 if ".venv" not in p.parts and "runs" not in p.parts]
+    me = Path(__file__).resolve()
+    hits = [f"{f}: {pat}" for f in files if (REPO / f).resolve() != me and (REPO / f).is_file()
+            for pat in OUTSIDE if pat in (REPO / f).read_text(errors="replace")]
+    assert not hits, "references to files outside the repository:\n" + "\n".join(hits)
