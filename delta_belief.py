@@ -753,7 +753,7 @@ def make_env_factory(env_id, env_kwargs, max_turns, what):
 
 
 def main(args: Args):
-    from common.models import UserError, load_policy, policy_env_kwargs
+    from common.models import UserError, load_policy, policy_defaults
 
     t_start = time.time()
     if args.torch_threads > 0:
@@ -770,8 +770,8 @@ def main(args: Args):
     rng = np.random.default_rng(args.seed)
 
     # a tiny policy was trained on prompts rendered with its recipe's env options: use the same ones
-    env_kwargs = policy_env_kwargs(args.model_name, args.env_id, args.tiny_preset)
-    is_tiny = args.model_name == "tiny" or (Path(args.model_name).expanduser() / "tiny_meta.json").is_file()
+    defaults = policy_defaults(args.model_name, args.env_id, args.tiny_preset, learning_rate=3e-5, max_new_tokens=50)
+    env_kwargs, is_tiny = dict(defaults.env_kwargs), defaults.is_tiny
     if args.history is not None:
         env_kwargs["history"] = args.history
     make_env, probe = make_env_factory(args.env_id, env_kwargs, args.max_turns, "env")
@@ -790,13 +790,13 @@ def main(args: Args):
                belief_message_for(args.belief_template, ood_probe, is_tiny))
     belief_message = belief_message_for(args.belief_template, probe, is_tiny)
     if args.max_new_tokens is None:
-        args.max_new_tokens = 24 if is_tiny else 50
+        args.max_new_tokens = defaults.max_new_tokens
     train_tasks = list(probe.task_ids("train"))
     test_tasks = list(probe.task_ids("test"))
     if args.eval_num_tasks:
         test_tasks = test_tasks[: args.eval_num_tasks]
 
-    lr = args.learning_rate if args.learning_rate is not None else (5e-4 if is_tiny else 3e-5)
+    lr = args.learning_rate if args.learning_rate is not None else defaults.learning_rate
     model, tok = load_policy(args.model_name, env_id=args.env_id, tiny_preset=args.tiny_preset,
                              load_in_4bit=args.load_in_4bit, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
                              lora_dropout=args.lora_dropout, activation_checkpointing=args.activation_checkpointing)

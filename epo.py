@@ -104,7 +104,7 @@ class Args:
     activation_checkpointing: bool = False
     """activation checkpointing in the training forward (saves GPU memory on real models)"""
     max_new_tokens: Optional[int] = None
-    """most tokens per strategy; None: 48 for a real model, 16 for the tiny strategist"""
+    """most tokens per strategy; None: 48 for a real model, the tiny recipe's budget (24) for the tiny strategist"""
     temperature: float = 0.7
     """sampling temperature of the strategist in the training episodes (official: 0.7)"""
     eval_temperature: float = 0.7
@@ -912,10 +912,11 @@ def env_takes(env_id, option) -> bool:
     return option in inspect.signature(getattr(importlib.import_module(module), name).__init__).parameters
 
 
-def setup_env(args, is_tiny_name):
-    """-> (tiny overrides, env kwargs, make_game(task, seats, real), probe env, two_player). User errors -> UserError."""
+def setup_env(args):
+    """-> (tiny overrides, policy defaults, env kwargs, make_game(task, seats, real), probe env, two_player).
+    User errors -> UserError."""
     import envs
-    from common.models import UserError
+    from common.models import UserError, policy_defaults
 
     if args.env_id not in envs.available():
         raise UserError(f"env {args.env_id!r} is not available in this checkout; available env ids: "
@@ -923,20 +924,9 @@ def setup_env(args, is_tiny_name):
     two_player = args.env_id in envs.TWO_PLAYER
     strategy_moves = env_takes(args.env_id, "moves")
     overrides = {"env_kwargs": {"moves": "strategy"}} if strategy_moves else None
-    env_kwargs = {}
-    if is_tiny_name:
-        from common.tiny import full_recipe
-
-        try:
-            env_kwargs = dict(full_recipe(args.env_id, args.tiny_preset, overrides).get("env_kwargs") or {})
-        except ValueError as e:
-            raise UserError(f"tiny policy: {e}") from None
-    else:
-        meta = Path(args.model_name) / "tiny_meta.json"
-        if meta.is_file():
-            recipe = json.loads(meta.read_text()).get("recipe") or {}
-            if recipe.get("env_id", args.env_id) == args.env_id:
-                env_kwargs = dict(recipe.get("env_kwargs") or {})
+    defaults = policy_defaults(args.model_name, args.env_id, args.tiny_preset, overrides, learning_rate=2e-5,
+                               max_new_tokens=48)
+    env_kwargs = dict(defaults.env_kwargs)
     if strategy_moves:
         env_kwargs["moves"] = "strategy"
     if args.history is not None:
@@ -956,7 +946,7 @@ def setup_env(args, is_tiny_name):
         env = envs.make(args.env_id, **env_kwargs)
         return Duel(env, task, seats, real) if two_player else Solo(env, task, real)
 
-    return overrides, env_kwargs, make_game, probe, two_player
+    return overrides, defaults, env_kwargs, make_game, probe, two_player
 
 
 def main(args: Args):
@@ -976,8 +966,8 @@ def main(args: Args):
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
 
-    is_tiny = args.model_name == "tiny" or (Path(args.model_name) / "tiny_meta.json").is_file()
-    overrides, env_kwargs, make_game_, probe, two_player = setup_env(args, args.model_name == "tiny")
+    overrides, defaults, env_kwargs, make_game_, probe, two_player = setup_env(args)
+    is_tiny = defaults.is_tiny
     players = list(probe.players) if two_player else ["agent"]
     styles = list(probe.opponent_styles()) if two_player else []
     if args.train_opponent != "self":
@@ -986,7 +976,7 @@ def main(args: Args):
             raise UserError(f"--train-opponent must be 'self', 'rule:any' or 'rule:<style>' with a style in "
                             f"{', '.join(styles)}; got {args.train_opponent!r}")
     if args.max_new_tokens is None:
-        args.max_new_tokens = 16 if is_tiny else 48
+        args.max_new_tokens = defaults.max_new_tokens
     if args.agent_max_new_tokens is None:
         args.agent_max_new_tokens = 16 if is_tiny else 128
     if args.prm_max_new_tokens is None:
@@ -996,7 +986,7 @@ def main(args: Args):
     if args.eval_num_tasks:
         test_tasks = test_tasks[: args.eval_num_tasks]
 
-    lr = args.learning_rate if args.learning_rate is not None else (5e-4 if is_tiny else 2e-5)
+    lr = args.learning_rate if args.learning_rate is not None else defaults.learning_rate
     model, tok = load_policy(args.model_name, env_id=args.env_id, tiny_preset=args.tiny_preset,
                              load_in_4bit=args.load_in_4bit, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
                              lora_dropout=args.lora_dropout, activation_checkpointing=args.activation_checkpointing,

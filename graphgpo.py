@@ -789,7 +789,7 @@ def credit(eps, args, omega):
 
 
 def main(args: Args):
-    from common.models import UserError, load_policy, policy_env_kwargs
+    from common.models import UserError, load_policy, policy_defaults
 
     t_start = time.time()
     if args.torch_threads > 0:
@@ -811,7 +811,8 @@ def main(args: Args):
     rng = np.random.default_rng(args.seed)
 
     # a tiny policy was trained on prompts rendered with its recipe's env options: use the same ones
-    env_kwargs = policy_env_kwargs(args.model_name, args.env_id, args.tiny_preset)
+    defaults = policy_defaults(args.model_name, args.env_id, args.tiny_preset, learning_rate=1e-5, max_new_tokens=512)
+    env_kwargs = dict(defaults.env_kwargs)
     if args.history is not None:
         env_kwargs["history"] = args.history
     make_env, probe = make_env_factory(args.env_id, env_kwargs, args.max_turns)
@@ -819,16 +820,8 @@ def main(args: Args):
     test_tasks = list(probe.task_ids("test"))
     if args.eval_num_tasks:
         test_tasks = test_tasks[: args.eval_num_tasks]
-    tiny = args.model_name == "tiny"
-    lr = args.learning_rate if args.learning_rate is not None else (5e-4 if tiny else 1e-5)
-    if args.max_new_tokens:
-        max_new = args.max_new_tokens
-    elif tiny:  # the tiny recipe's budget fits the env's longest action (Sokoban 4, ALFWorld/WebShop 24)
-        from common.tiny import full_recipe
-
-        max_new = full_recipe(args.env_id, args.tiny_preset)["max_new_tokens"]
-    else:
-        max_new = 512
+    lr = args.learning_rate if args.learning_rate is not None else defaults.learning_rate
+    max_new = args.max_new_tokens or defaults.max_new_tokens
 
     model, tok = load_policy(args.model_name, env_id=args.env_id, tiny_preset=args.tiny_preset,
                              load_in_4bit=args.load_in_4bit, lora_r=args.lora_r, lora_alpha=args.lora_alpha,

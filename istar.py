@@ -708,15 +708,17 @@ def save_adapters(model, run_dir: Path):
 # 6. Main loop
 # ----------------------------------------------------------------------------------------------
 def make_env_factory(args):
-    """A function that builds the env (user errors -> UserError) and one probe instance."""
+    """A function that builds the env (user errors -> UserError), one probe instance, and the policy's
+    model-dependent defaults (`policy_defaults`)."""
     import envs
-    from common.models import UserError, policy_env_kwargs
+    from common.models import UserError, policy_defaults
 
     if args.env_id not in envs.available():
         raise UserError(f"env {args.env_id!r} is not available in this checkout; available env ids: "
                         f"{', '.join(envs.available())}")
     # a tiny policy was trained on prompts rendered with its recipe's env options: use the same ones
-    kw = policy_env_kwargs(args.model_name, args.env_id, args.tiny_preset)
+    defaults = policy_defaults(args.model_name, args.env_id, args.tiny_preset, learning_rate=1e-5, max_new_tokens=512)
+    kw = dict(defaults.env_kwargs)
     if args.history is not None:
         kw["history"] = args.history
     if args.env_id == "sokoban":
@@ -735,7 +737,7 @@ def make_env_factory(args):
         probe.reset(probe.task_ids("test")[0])
     except ValueError as e:
         raise UserError(f"env {args.env_id!r}: {e}") from None
-    return make, probe
+    return make, probe, defaults
 
 
 def main(args: Args):
@@ -755,7 +757,7 @@ def main(args: Args):
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
 
-    make_env, probe = make_env_factory(args)
+    make_env, probe, defaults = make_env_factory(args)
     train_tasks = list(probe.task_ids("train"))
     test_tasks = list(probe.task_ids("test"))
     if args.eval_num_tasks:
@@ -763,17 +765,9 @@ def main(args: Args):
     threshold = args.positive_threshold
     if threshold is None and args.env_id == "negotiation":
         threshold = 6.0  # 0-10 score, positives above 6 (paper's SOTOPIA rule)
-    tiny = args.model_name == "tiny"
-    lr = args.learning_rate if args.learning_rate is not None else (5e-4 if tiny else 1e-5)
+    lr = args.learning_rate if args.learning_rate is not None else defaults.learning_rate
     prm_lr = args.prm_learning_rate if args.prm_learning_rate is not None else 2 * lr
-    if args.max_new_tokens:
-        max_new = args.max_new_tokens
-    elif tiny:  # the tiny recipe's budget fits the env's longest action (Sokoban 4, ALFWorld/WebShop 24)
-        from common.tiny import full_recipe
-
-        max_new = full_recipe(args.env_id, args.tiny_preset)["max_new_tokens"]
-    else:
-        max_new = 512
+    max_new = args.max_new_tokens or defaults.max_new_tokens
     use_prm = args.alpha != 0
 
     model, tok = load_policy(args.model_name, env_id=args.env_id, tiny_preset=args.tiny_preset,

@@ -43,6 +43,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
@@ -146,29 +147,55 @@ def _resolve(name: str, env_id: Optional[str], tiny_preset: str,
     return name, False
 
 
-def policy_env_kwargs(model_name_or_path: str, env_id: str, tiny_preset: str = "default",
-                      tiny_overrides: Optional[dict] = None) -> dict:
-    """The env options a policy was trained with, to build the envs of a run with: a tiny policy
-    ("tiny", or a directory holding a tiny_meta.json) saw prompts rendered with its recipe's
-    `env_kwargs` (e.g. Sokoban without instruction text and history); {} for any other model, or when
-    the tiny policy was built for another env. A bad env id or preset -> UserError."""
-    recipe = None
+TINY_LEARNING_RATE = 5e-4  # the rate at which RL improves the tiny policies (docs/learning.md)
+
+
+@dataclass(frozen=True)
+class PolicyDefaults:
+    """What a run's defaults depend on in the model: see `policy_defaults`."""
+
+    is_tiny: bool
+    env_kwargs: dict
+    learning_rate: float
+    max_new_tokens: int
+
+
+def tiny_recipe(model_name_or_path: str, env_id: str, tiny_preset: str = "default",
+                tiny_overrides: Optional[dict] = None) -> Optional[dict]:
+    """The build recipe of a tiny policy: "tiny" -> the recipe `common.tiny` builds for this env; a
+    directory holding a tiny_meta.json -> the recipe recorded there ({} if none); None for any other model.
+    A bad env id or preset -> UserError."""
     if model_name_or_path == "tiny":
         from common import tiny
 
         try:
-            recipe = tiny.full_recipe(env_id, tiny_preset, tiny_overrides)
+            return tiny.full_recipe(env_id, tiny_preset, tiny_overrides)
         except (ValueError, TypeError) as e:
             raise UserError(f"tiny policy: {_first_line(e)}") from None
-    else:
-        meta = Path(str(model_name_or_path)).expanduser() / "tiny_meta.json"
-        if meta.is_file():
-            import json
+    meta = Path(str(model_name_or_path)).expanduser() / "tiny_meta.json"
+    if meta.is_file():
+        import json
 
-            recipe = json.loads(meta.read_text()).get("recipe") or {}
-    if not recipe or recipe.get("env_id", env_id) != env_id:
-        return {}
-    return dict(recipe.get("env_kwargs") or {})
+        return json.loads(meta.read_text()).get("recipe") or {}
+    return None
+
+
+def policy_defaults(model_name_or_path: str, env_id: str, tiny_preset: str = "default",
+                    tiny_overrides: Optional[dict] = None, *, learning_rate: float,
+                    max_new_tokens: int) -> PolicyDefaults:
+    """The defaults that depend on the model, decided the same way by every method file.
+
+    A tiny policy ("tiny", or a directory holding a tiny_meta.json) saw prompts rendered with its
+    recipe's `env_kwargs` (e.g. Sokoban without instruction text), so the run's envs take them (none
+    when it was built for another env); it writes at most its recipe's `max_new_tokens` and learns at
+    TINY_LEARNING_RATE. Any other model: no env options, and the method's real-model `learning_rate`
+    and `max_new_tokens`, which the caller passes. A bad env id or preset -> UserError."""
+    recipe = tiny_recipe(model_name_or_path, env_id, tiny_preset, tiny_overrides)
+    if recipe is None:
+        return PolicyDefaults(False, {}, float(learning_rate), int(max_new_tokens))
+    same_env = recipe.get("env_id", env_id) == env_id
+    return PolicyDefaults(True, dict(recipe.get("env_kwargs") or {}) if same_env else {}, TINY_LEARNING_RATE,
+                          int(recipe.get("max_new_tokens") or max_new_tokens))
 
 
 def _check_hub_reachable(repo_id: str) -> None:

@@ -385,7 +385,7 @@ def test_sokoban_outcome_is_the_papers_shaped_reward():
     # the shaped return of a solved 1-box level: -0.1 per step, +1 for the box on its target, +10 on solving
     import istar
 
-    make, probe = istar.make_env_factory(istar.Args())  # the default tiny recipe's 1-box levels (not built here)
+    make, probe, _ = istar.make_env_factory(istar.Args())  # the default tiny recipe's 1-box levels (not built here)
     env = make()
     env.reset(env.task_ids("train")[0])
     total, n = 0.0, 0
@@ -393,5 +393,5 @@ def test_sokoban_outcome_is_the_papers_shaped_reward():
         total += env.step(env.expert_action()).reward
         n += 1
     assert env.reward_type == "shaped" and abs(total - (11.0 - 0.1 * n)) < 1e-9
-    make, _ = istar.make_env_factory(istar.Args(tiny_preset="micro", sokoban_reward="sparse"))
+    make, _, _ = istar.make_env_factory(istar.Args(tiny_preset="micro", sokoban_reward="sparse"))
     assert make().reward_type == "sparse"

@@ -405,3 +405,41 @@ def test_tiny_goes_through_ensure_tiny(random_llama_dir, monkeypatch):
     assert type(model).__name__ == "PeftModelForCausalLM"
     assert model.base_model.model.name_or_path == str(random_llama_dir)
     assert tok.padding_side == "left" and tok.pad_token is not None
+
+
+# ----------------------------------------------------------------------------------------------
+# Model-dependent defaults, decided in one place for the five method files
+# ----------------------------------------------------------------------------------------------
+def test_policy_defaults_tiny_name_dir_and_real_model(tmp_path, random_llama_dir):
+    import json
+
+    from common.models import TINY_LEARNING_RATE, policy_defaults
+    from common.tiny import full_recipe
+
+    envs = pytest.importorskip("envs")
+    if "sokoban" not in envs.available():
+        pytest.skip("envs/sokoban.py is not in this checkout")
+    recipe = full_recipe("sokoban", "default")
+    tiny = policy_defaults("tiny", "sokoban", learning_rate=1e-5, max_new_tokens=512)
+    assert tiny.is_tiny and tiny.learning_rate == TINY_LEARNING_RATE == 5e-4
+    assert tiny.max_new_tokens == recipe["max_new_tokens"] == 4  # Sokoban's longest action: "right" + EOS
+    assert tiny.env_kwargs == recipe["env_kwargs"] and tiny.env_kwargs  # e.g. no instruction text
+
+    # a tiny checkpoint directory gets the same defaults as "tiny" (its recipe is in tiny_meta.json)
+    d = tmp_path / "tiny_ckpt"
+    d.mkdir()
+    (d / "tiny_meta.json").write_text(json.dumps({"recipe": {"env_id": "sokoban", "env_kwargs": {"history": 0},
+                                                             "max_new_tokens": 6}}))
+    local = policy_defaults(str(d), "sokoban", learning_rate=1e-5, max_new_tokens=512)
+    assert (local.is_tiny, local.env_kwargs, local.learning_rate, local.max_new_tokens) == (True, {"history": 0}, 5e-4, 6)
+    # ... but a tiny policy built for another env passes no env options
+    assert policy_defaults(str(d), "webshop", learning_rate=1e-5, max_new_tokens=512).env_kwargs == {}
+
+    # any other model (a hub id, a real checkpoint directory): the method's real-model values, no env options
+    for name in ("Qwen/Qwen2.5-0.5B-Instruct", str(random_llama_dir)):
+        real = policy_defaults(name, "sokoban", learning_rate=1e-5, max_new_tokens=512)
+        assert (real.is_tiny, real.env_kwargs, real.learning_rate, real.max_new_tokens) == (False, {}, 1e-5, 512)
+
+    with pytest.raises(UserError) as e:
+        policy_defaults("tiny", "no_such_env", learning_rate=1e-5, max_new_tokens=512)
+    assert "no_such_env" in _one_line(e)
