@@ -321,7 +321,7 @@ OUTCOME_FROM_REWARD = ("webshop",)  # single-agent envs whose outcome is the fin
 
 
 @dataclass
-class Trajectory:
+class Episode:
     """One strategist's turns in one game, and what the credit functions need."""
 
     traj_id: int
@@ -533,18 +533,18 @@ def strategy_of(text: str) -> str:
     return s if len(s) <= 200 else s[:200]
 
 
-def play(model, tok, games, args, temperature, greedy=False, first_traj_id=0):
+def rollout(model, tok, games, args, temperature, greedy=False, first_traj_id=0):
     """Play every game to the end, all stepped together: per round, one batched strategist `generate` for
     every game whose current player is a policy seat (and, for `--agent base`, one batched agent
-    `generate` with the adapter disabled). Scripted seats move in between. Returns one Trajectory per
+    `generate` with the adapter disabled). Scripted seats move in between. Returns one Episode per
     (game, policy seat), in game order."""
-    trajs = {}
+    episodes = {}
     for g, game in enumerate(games):
         for p in game.players:
             if game.seats.get(p) == "policy":
                 others = [game.seats[q] for q in game.players if q != p]
                 opp = "" if not others else ("self" if others[0] == "policy" else others[0])
-                trajs[(g, p)] = Trajectory(first_traj_id + len(trajs), g, str(game.env.task_id), p, opp,
+                episodes[(g, p)] = Episode(first_traj_id + len(episodes), g, str(game.env.task_id), p, opp,
                                            context=game.context(p))
     prog = [{p: 0.0 for p in game.players} for game in games]
 
@@ -577,7 +577,7 @@ def play(model, tok, games, args, temperature, greedy=False, first_traj_id=0):
                 acomps = generate(model, tok, agent_prompts, args.agent_temperature, args.agent_max_new_tokens)
             moves = [decode(tok, c) for c in acomps]
         for k, (g, p) in enumerate(zip(live, who)):
-            tr = trajs[(g, p)]
+            tr = episodes[(g, p)]
             tr.prompts.append(prompts[k])
             tr.completions.append(comps[k])
             tr.strategies.append(strategies[k])
@@ -590,14 +590,14 @@ def play(model, tok, games, args, temperature, greedy=False, first_traj_id=0):
             tr.invalid.append(bool(st.info.get("invalid", False)))
             note(g, p, st)
     out = []
-    for (g, p), tr in trajs.items():
+    for (g, p), tr in episodes.items():
         tr.progress.append(prog[g][p])
         tr.outcome, tr.score, tr.env_return, tr.won, tr.deal = games[g].result(p)
         out.append(tr)
     return out
 
 
-def prm_prompt(tr: Trajectory, env_id: str, two_player: bool, other: str = ""):
+def prm_prompt(tr: Episode, env_id: str, two_player: bool, other: str = ""):
     """The paper's PRM prompt for one trajectory, and the conversation position of each strategy turn.
 
     The conversation is the strategist's chat: human = what it saw (the first one with the context and
@@ -618,12 +618,12 @@ def prm_prompt(tr: Trajectory, env_id: str, two_player: bool, other: str = ""):
     return text, positions
 
 
-def llm_prm(model, tok, trajs, args, env_id, two_player, players):
+def llm_prm(model, tok, episodes, args, env_id, two_player, players):
     """Ask the frozen base model (adapters disabled) for each trajectory's critical turns.
     Returns (critical lists, answers, parse failures)."""
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     prompts, positions = [], []
-    for tr in trajs:
+    for tr in episodes:
         other = [p for p in players if p != tr.player]
         text, pos = prm_prompt(tr, env_id, two_player, other[0] if other else "")
         ids = encode(tok, render_prompt(tok, [{"role": "user", "content": text}]))
@@ -699,12 +699,12 @@ def lr_factor(step, total, warmup_ratio):
     return 0.5 * (1.0 + math.cos(math.pi * (step - warm) / max(1, total - warm)))
 
 
-def train_strategist(model, tok, trajs, args, lr, rng):
+def update(model, tok, episodes, args, lr, rng):
     """`num_epochs` passes over the trajectories (those with a non-zero weight), `trajectories_per_step`
     per optimizer step; the step's loss is the mean of `epo_loss` over its trajectories. Turns go through
     the model in micro-batches of `micro_batch_size`; a trajectory split across micro-batches contributes
     (|S| / T) * epo_loss(its turns S) from each, which sums to its full `epo_loss`."""
-    data = [tr for tr in trajs if tr.length and np.abs(np.asarray(tr.weights)).max() > 0]
+    data = [tr for tr in episodes if tr.length and np.abs(np.asarray(tr.weights)).max() > 0]
     stats = {"loss": [], "grad_norm": [], "epoch_loss": [], "steps": 0, "trained_trajectories": len(data)}
     if not data:
         return stats
@@ -752,25 +752,25 @@ def train_strategist(model, tok, trajs, args, lr, rng):
 # ----------------------------------------------------------------------------------------------
 # 5. Evaluation, logging and checkpoints
 # ----------------------------------------------------------------------------------------------
-def trajectory_stats(trajs, prefix=""):
+def trajectory_stats(episodes, prefix=""):
     """Goal score (env scale), deal rate, win rate, outcome (return in [0, 1]), turns, invalid and
     not-understood rates of a list of trajectories."""
-    if not trajs:
+    if not episodes:
         return {}
-    n_turns = sum(tr.length for tr in trajs)
+    n_turns = sum(tr.length for tr in episodes)
     return {
-        f"{prefix}goal_score": float(np.mean([tr.score for tr in trajs])),
-        f"{prefix}deal_rate": float(np.mean([tr.deal for tr in trajs])),
-        f"{prefix}win_rate": float(np.mean([tr.won for tr in trajs])),
-        f"{prefix}outcome": float(np.mean([tr.outcome for tr in trajs])),
-        f"{prefix}env_return": float(np.mean([tr.env_return for tr in trajs])),
-        f"{prefix}episode_length": float(np.mean([tr.length for tr in trajs])),
-        f"{prefix}invalid_rate": float(sum(sum(tr.invalid) for tr in trajs) / max(n_turns, 1)),
-        f"{prefix}strategy_understood_rate": float(sum(sum(tr.understood) for tr in trajs) / max(n_turns, 1)),
+        f"{prefix}goal_score": float(np.mean([tr.score for tr in episodes])),
+        f"{prefix}deal_rate": float(np.mean([tr.deal for tr in episodes])),
+        f"{prefix}win_rate": float(np.mean([tr.won for tr in episodes])),
+        f"{prefix}outcome": float(np.mean([tr.outcome for tr in episodes])),
+        f"{prefix}env_return": float(np.mean([tr.env_return for tr in episodes])),
+        f"{prefix}episode_length": float(np.mean([tr.length for tr in episodes])),
+        f"{prefix}invalid_rate": float(sum(sum(tr.invalid) for tr in episodes) / max(n_turns, 1)),
+        f"{prefix}strategy_understood_rate": float(sum(sum(tr.understood) for tr in episodes) / max(n_turns, 1)),
     }
 
 
-def episode_record(tr: Trajectory, tag: str) -> dict:
+def episode_record(tr: Episode, tag: str) -> dict:
     turns = []
     for t in range(tr.length):
         turns.append({"strategy": tr.strategies[t], "move": tr.moves[t], "invalid": tr.invalid[t],
@@ -799,8 +799,8 @@ def evaluate(model, tok, make_game, tasks, players, styles, args):
 
         def build():
             return [make_game(task, {"agent": "policy"}) for task, _, _ in specs]
-    sampled = play(model, tok, build(), args, args.eval_temperature)
-    greedy = play(model, tok, build(), args, 0.0, greedy=True)
+    sampled = rollout(model, tok, build(), args, args.eval_temperature)
+    greedy = rollout(model, tok, build(), args, 0.0, greedy=True)
     for key, v in trajectory_stats(sampled).items():
         row[f"eval/{key}"] = v
     row["eval/success"] = row["eval/win_rate"]
@@ -818,7 +818,7 @@ def evaluate(model, tok, make_game, tasks, players, styles, args):
                 row[f"eval/vs_{style}/{role}/{key}"] = trajectory_stats(sub)[key]
     records += [episode_record(tr, "eval_sampled") for tr in sampled[: args.num_logged_episodes]]
     if styles and args.eval_selfplay:
-        sp = play(model, tok, [make_game(task, {p: "policy" for p in players}) for task in tasks], args,
+        sp = rollout(model, tok, [make_game(task, {p: "policy" for p in players}) for task in tasks], args,
                   args.eval_temperature)
         for key, v in trajectory_stats(sp).items():
             if key in ("goal_score", "deal_rate", "episode_length"):
@@ -912,7 +912,7 @@ def env_takes(env_id, option) -> bool:
     return option in inspect.signature(getattr(importlib.import_module(module), name).__init__).parameters
 
 
-def setup_env(args):
+def make_env(args):
     """-> (tiny overrides, policy defaults, env kwargs, make_game(task, seats, real), probe env, two_player).
     User errors -> UserError."""
     import envs
@@ -966,7 +966,7 @@ def main(args: Args):
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
 
-    overrides, defaults, env_kwargs, make_game_, probe, two_player = setup_env(args)
+    overrides, defaults, env_kwargs, make_game_, probe, two_player = make_env(args)
     is_tiny = defaults.is_tiny
     players = list(probe.players) if two_player else ["agent"]
     styles = list(probe.opponent_styles()) if two_player else []
@@ -1035,18 +1035,18 @@ def main(args: Args):
                 role = players[n % len(players)]
                 seats = {p: ("policy" if p == role else style) for p in players}
             games.append(make_game(train_tasks[int(i)], seats))
-        trajs = play(model, tok, games, args, args.temperature, first_traj_id=next_id)
-        next_id += len(trajs)
+        episodes = rollout(model, tok, games, args, args.temperature, first_traj_id=next_id)
+        next_id += len(episodes)
         t_roll = time.time() - t0
 
         # process rewards -> critical turns -> per-turn weights
         t1 = time.time()
         prm_fails = 0
         if args.prm == "llm":
-            crits, answers, prm_fails = llm_prm(model, tok, trajs, args, args.env_id, two_player, players)
-            for tr, c, a in zip(trajs, crits, answers):
+            crits, answers, prm_fails = llm_prm(model, tok, episodes, args, args.env_id, two_player, players)
+            for tr, c, a in zip(episodes, crits, answers):
                 tr.critical, tr.prm_answer = c, a
-        for tr in trajs:
+        for tr in episodes:
             if args.prm == "rule":
                 tr.critical = rule_critical_turns(tr.progress, args.prm_top_k, args.prm_min_gain).tolist()
             elif args.prm == "none":
@@ -1058,12 +1058,12 @@ def main(args: Args):
         t_prm = time.time() - t1
 
         t2 = time.time()
-        ustats = train_strategist(model, tok, trajs, args, lr, rng)
+        ustats = update(model, tok, episodes, args, lr, rng)
         t_upd = time.time() - t2
 
-        all_w = np.concatenate([np.asarray(tr.weights, dtype=float) for tr in trajs if tr.length]) if trajs else np.zeros(0)
-        n_turns = sum(tr.length for tr in trajs)
-        for key, v in trajectory_stats(trajs).items():
+        all_w = np.concatenate([np.asarray(tr.weights, dtype=float) for tr in episodes if tr.length]) if episodes else np.zeros(0)
+        n_turns = sum(tr.length for tr in episodes)
+        for key, v in trajectory_stats(episodes).items():
             row[f"charts/{key}"] = v
         row.update({
             "charts/success": row.get("charts/win_rate", 0.0),
@@ -1073,21 +1073,21 @@ def main(args: Args):
             "losses/policy_loss_last_epoch": ustats["epoch_loss"][-1] if ustats["epoch_loss"] else 0.0,
             "losses/grad_norm": float(np.mean(ustats["grad_norm"])) if ustats["grad_norm"] else 0.0,
             "losses/optimizer_steps": ustats["steps"],
-            "credit/critical_frac": float(sum(sum(tr.critical) for tr in trajs) / max(n_turns, 1)),
+            "credit/critical_frac": float(sum(sum(tr.critical) for tr in episodes) / max(n_turns, 1)),
             "credit/weight_mean": float(all_w.mean()) if len(all_w) else 0.0,
-            "credit/zero_weight_traj_frac": 1.0 - ustats["trained_trajectories"] / max(len(trajs), 1),
-            "credit/outcome_mean": float(np.mean([tr.outcome for tr in trajs])) if trajs else 0.0,
+            "credit/zero_weight_traj_frac": 1.0 - ustats["trained_trajectories"] / max(len(episodes), 1),
+            "credit/outcome_mean": float(np.mean([tr.outcome for tr in episodes])) if episodes else 0.0,
             "perf/rollout_seconds": t_roll,
             "perf/prm_seconds": t_prm,
             "perf/update_seconds": t_upd,
-            "perf/tokens_per_second": sum(len(c) for tr in trajs for c in tr.completions) / max(t_roll, 1e-9),
+            "perf/tokens_per_second": sum(len(c) for tr in episodes for c in tr.completions) / max(t_roll, 1e-9),
             "perf/samples": n_turns,
         })
         if args.prm == "llm":
-            row["credit/prm_parse_fail_frac"] = prm_fails / max(len(trajs), 1)
+            row["credit/prm_parse_fail_frac"] = prm_fails / max(len(episodes), 1)
         if torch.cuda.is_available():
             row["perf/peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
-        logger.log_samples(it, [episode_record(tr, "train") for tr in trajs[: args.num_logged_episodes]])
+        logger.log_samples(it, [episode_record(tr, "train") for tr in episodes[: args.num_logged_episodes]])
         if (args.eval_every and it % args.eval_every == 0) or it == args.num_iterations:
             last_eval = run_eval(it)
             row.update(last_eval)

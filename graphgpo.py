@@ -375,6 +375,68 @@ def fuzzy_node_map(keys, threshold=0.95):
     return out
 
 
+def compute_advantages(episodes, args, omega):
+    """Episodes in, training samples out: the advantage of every turn of one iteration, per group
+    (A = beta_graph * A_step + beta_episode * A_episode; A_step by --step-advantage), and the credit
+    statistics that are logged."""
+    groups = defaultdict(list)
+    for ep in episodes:
+        groups[ep.group_id].append(ep)
+    samples, st = [], defaultdict(list)
+    graph_seconds = 0.0
+    for g, grp in groups.items():
+        states = [ep.states for ep in grp]
+        success = [ep.success for ep in grp]
+        invalid = [ep.invalid for ep in grp]
+        # the graph is built in every mode (its statistics are logged); it drives A only for 'graph'
+        t0 = time.perf_counter()
+        node_of = None
+        if args.state_match == "fuzzy":
+            keys = list(dict.fromkeys(s for ep in grp for s in ep.states))
+            node_of = fuzzy_node_map(keys, args.similarity_threshold)
+        a_graph, gs = graph_step_advantages(states, success, omega, args.r_succ, args.adv_eps, invalid,
+                                            args.invalid_penalty, node_of=node_of, return_stats=True,
+                                            step_cost=args.step_cost)
+        graph_seconds += time.perf_counter() - t0
+        if args.step_advantage == "graph":
+            a_step = a_graph
+        elif args.step_advantage == "gigpo":
+            rewards = [[0.0] * (ep.length - 1) + [args.r_succ * float(ep.success)] if ep.length else [] for ep in grp]
+            a_step = gigpo_step_advantages(states, rewards, args.gamma, args.adv_eps, invalid, args.invalid_penalty)
+        else:
+            a_step = [np.zeros(ep.length) for ep in grp]
+        returns = [args.r_succ * float(ep.success) - args.invalid_penalty * sum(ep.invalid) for ep in grp]
+        a_ep = grpo_advantages(returns, args.adv_eps)
+        for i, ep in enumerate(grp):
+            for t in range(ep.length):
+                adv = args.beta_graph * float(a_step[i][t]) + args.beta_episode * float(a_ep[i])
+                samples.append({"prompt": ep.prompts[t], "completion": ep.completions[t], "adv": adv,
+                                "traj": ep.traj_id, "group": g, "turn": t,
+                                "a_step": float(a_step[i][t]), "a_episode": float(a_ep[i])})
+        for k in ("nodes", "edges", "mean_distance", "step_reward_mean"):
+            st[k].append(gs[k])
+        st["steps"].append(gs["steps"])
+        st["singleton_steps"].append(gs["singleton_steps"])
+        st["group_success"].append(float(any(success)))
+    a = np.array([s["adv"] for s in samples]) if samples else np.zeros(1)
+    a_s = np.array([s["a_step"] for s in samples]) if samples else np.zeros(1)
+    a_e = np.array([s["a_episode"] for s in samples]) if samples else np.zeros(1)
+    stats = {
+        "credit/graph_nodes": float(np.mean(st["nodes"])),
+        "credit/graph_edges": float(np.mean(st["edges"])),
+        "credit/mean_distance": float(np.mean(st["mean_distance"])),
+        "credit/graph_step_reward_mean": float(np.mean(st["step_reward_mean"])),
+        "credit/singleton_frac": float(sum(st["singleton_steps"]) / max(sum(st["steps"]), 1)),
+        "credit/group_success_frac": float(np.mean(st["group_success"])),
+        "credit/adv_abs_mean": float(np.abs(a).mean()),
+        "credit/adv_step_abs_mean": float(np.abs(a_s).mean()),
+        "credit/adv_episode_abs_mean": float(np.abs(a_e).mean()),
+        "credit/adv_nonzero_frac": float((np.abs(a) > 1e-8).mean()),
+        "credit/graph_seconds": graph_seconds,
+    }
+    return samples, stats
+
+
 # ----------------------------------------------------------------------------------------------
 # 3. Rollout
 # ----------------------------------------------------------------------------------------------
@@ -437,18 +499,18 @@ def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False):
     return comps
 
 
-def rollout(model, tok, make_env, task_ids, group_ids, temperature, max_new_tokens, greedy=False):
+def rollout(model, tok, new_env, task_ids, group_ids, temperature, max_new_tokens, greedy=False):
     """Play one episode per task id, all envs stepped together: one batched generate per turn.
 
     Records s_1 = state_key() after reset and s_{t+1} after every step, the invalid flags and the
     success flag of the final step.
     """
-    envs_, eps = [], []
+    envs_, episodes = [], []
     for i, (task, g) in enumerate(zip(task_ids, group_ids)):
-        env = make_env()
+        env = new_env()
         env.reset(task)
         envs_.append(env)
-        eps.append(Episode(traj_id=i, group_id=g, task_id=str(task), states=[env.state_key()]))
+        episodes.append(Episode(traj_id=i, group_id=g, task_id=str(task), states=[env.state_key()]))
     model.eval()
     while True:
         active = [i for i, e in enumerate(envs_) if not e.done]
@@ -459,7 +521,7 @@ def rollout(model, tok, make_env, task_ids, group_ids, temperature, max_new_toke
         for k, i in enumerate(active):
             text = tok.decode(comps[k], skip_special_tokens=True)
             st = envs_[i].step(text)
-            ep = eps[i]
+            ep = episodes[i]
             ep.prompts.append(prompts[k])
             ep.completions.append(comps[k])
             ep.actions.append(text)
@@ -469,7 +531,7 @@ def rollout(model, tok, make_env, task_ids, group_ids, temperature, max_new_toke
             ep.env_rewards.append(float(st.reward))
             if st.done:
                 ep.success = bool(st.info.get("success", False))
-    return eps
+    return episodes
 
 
 # ----------------------------------------------------------------------------------------------
@@ -605,22 +667,22 @@ def episode_record(ep, tag):
                       for a, o, inv in zip(ep.actions, ep.observations, ep.invalid)]}
 
 
-def evaluate(model, tok, make_env, tasks, args, max_new_tokens):
+def evaluate(model, tok, new_env, tasks, args, max_new_tokens):
     """eval/success (sampled at the training temperature), eval/success_val_temp (the paper's 0.4),
     eval/success_greedy, eval/return and eval/episode_length (of the training-temperature episodes)."""
     out = {}
     tasks_k = [t for t in tasks for _ in range(args.eval_k)]
-    eps = rollout(model, tok, make_env, tasks_k, [0] * len(tasks_k), args.temperature, max_new_tokens)
-    out["eval/success"], out["eval/success_se"] = mean_se([e.success for e in eps])
-    out["eval/return"] = float(np.mean([sum(e.env_rewards) for e in eps]))
-    out["eval/episode_length"] = float(np.mean([e.length for e in eps]))
-    n = sum(e.length for e in eps)
-    out["eval/invalid_rate"] = float(sum(sum(e.invalid) for e in eps) / max(n, 1))
-    val = rollout(model, tok, make_env, tasks_k, [0] * len(tasks_k), args.eval_temperature, max_new_tokens)
+    episodes = rollout(model, tok, new_env, tasks_k, [0] * len(tasks_k), args.temperature, max_new_tokens)
+    out["eval/success"], out["eval/success_se"] = mean_se([e.success for e in episodes])
+    out["eval/return"] = float(np.mean([sum(e.env_rewards) for e in episodes]))
+    out["eval/episode_length"] = float(np.mean([e.length for e in episodes]))
+    n = sum(e.length for e in episodes)
+    out["eval/invalid_rate"] = float(sum(sum(e.invalid) for e in episodes) / max(n, 1))
+    val = rollout(model, tok, new_env, tasks_k, [0] * len(tasks_k), args.eval_temperature, max_new_tokens)
     out["eval/success_val_temp"], out["eval/success_val_temp_se"] = mean_se([e.success for e in val])
-    greedy = rollout(model, tok, make_env, tasks, [0] * len(tasks), 1.0, max_new_tokens, greedy=True)
+    greedy = rollout(model, tok, new_env, tasks, [0] * len(tasks), 1.0, max_new_tokens, greedy=True)
     out["eval/success_greedy"], out["eval/success_greedy_se"] = mean_se([e.success for e in greedy])
-    records = [episode_record(e, "sampled") for e in eps[: args.num_logged_episodes]]
+    records = [episode_record(e, "sampled") for e in episodes[: args.num_logged_episodes]]
     return out, records
 
 
@@ -699,7 +761,7 @@ def save_adapter(model, run_dir: Path):
 # ----------------------------------------------------------------------------------------------
 # 6. Main loop
 # ----------------------------------------------------------------------------------------------
-def make_env_factory(env_id, env_kwargs, max_turns):
+def make_env(env_id, env_kwargs, max_turns):
     """A function that builds the env (user errors -> UserError) and one probe instance."""
     import envs
     from common.models import UserError
@@ -726,66 +788,6 @@ def make_env_factory(env_id, env_kwargs, max_turns):
     except NotImplementedError:
         raise UserError(f"env {env_id!r} has no state_key(); GraphGPO needs one (sokoban, alfworld, webshop)") from None
     return make, probe
-
-
-def credit(eps, args, omega):
-    """Advantages of every turn of one iteration, per group; returns (samples, credit statistics)."""
-    groups = defaultdict(list)
-    for ep in eps:
-        groups[ep.group_id].append(ep)
-    samples, st = [], defaultdict(list)
-    graph_seconds = 0.0
-    for g, grp in groups.items():
-        states = [ep.states for ep in grp]
-        success = [ep.success for ep in grp]
-        invalid = [ep.invalid for ep in grp]
-        # the graph is built in every mode (its statistics are logged); it drives A only for 'graph'
-        t0 = time.perf_counter()
-        node_of = None
-        if args.state_match == "fuzzy":
-            keys = list(dict.fromkeys(s for ep in grp for s in ep.states))
-            node_of = fuzzy_node_map(keys, args.similarity_threshold)
-        a_graph, gs = graph_step_advantages(states, success, omega, args.r_succ, args.adv_eps, invalid,
-                                            args.invalid_penalty, node_of=node_of, return_stats=True,
-                                            step_cost=args.step_cost)
-        graph_seconds += time.perf_counter() - t0
-        if args.step_advantage == "graph":
-            a_step = a_graph
-        elif args.step_advantage == "gigpo":
-            rewards = [[0.0] * (ep.length - 1) + [args.r_succ * float(ep.success)] if ep.length else [] for ep in grp]
-            a_step = gigpo_step_advantages(states, rewards, args.gamma, args.adv_eps, invalid, args.invalid_penalty)
-        else:
-            a_step = [np.zeros(ep.length) for ep in grp]
-        returns = [args.r_succ * float(ep.success) - args.invalid_penalty * sum(ep.invalid) for ep in grp]
-        a_ep = grpo_advantages(returns, args.adv_eps)
-        for i, ep in enumerate(grp):
-            for t in range(ep.length):
-                adv = args.beta_graph * float(a_step[i][t]) + args.beta_episode * float(a_ep[i])
-                samples.append({"prompt": ep.prompts[t], "completion": ep.completions[t], "adv": adv,
-                                "traj": ep.traj_id, "group": g, "turn": t,
-                                "a_step": float(a_step[i][t]), "a_episode": float(a_ep[i])})
-        for k in ("nodes", "edges", "mean_distance", "step_reward_mean"):
-            st[k].append(gs[k])
-        st["steps"].append(gs["steps"])
-        st["singleton_steps"].append(gs["singleton_steps"])
-        st["group_success"].append(float(any(success)))
-    a = np.array([s["adv"] for s in samples]) if samples else np.zeros(1)
-    a_s = np.array([s["a_step"] for s in samples]) if samples else np.zeros(1)
-    a_e = np.array([s["a_episode"] for s in samples]) if samples else np.zeros(1)
-    stats = {
-        "credit/graph_nodes": float(np.mean(st["nodes"])),
-        "credit/graph_edges": float(np.mean(st["edges"])),
-        "credit/mean_distance": float(np.mean(st["mean_distance"])),
-        "credit/graph_step_reward_mean": float(np.mean(st["step_reward_mean"])),
-        "credit/singleton_frac": float(sum(st["singleton_steps"]) / max(sum(st["steps"]), 1)),
-        "credit/group_success_frac": float(np.mean(st["group_success"])),
-        "credit/adv_abs_mean": float(np.abs(a).mean()),
-        "credit/adv_step_abs_mean": float(np.abs(a_s).mean()),
-        "credit/adv_episode_abs_mean": float(np.abs(a_e).mean()),
-        "credit/adv_nonzero_frac": float((np.abs(a) > 1e-8).mean()),
-        "credit/graph_seconds": graph_seconds,
-    }
-    return samples, stats
 
 
 def main(args: Args):
@@ -815,7 +817,7 @@ def main(args: Args):
     env_kwargs = dict(defaults.env_kwargs)
     if args.history is not None:
         env_kwargs["history"] = args.history
-    make_env, probe = make_env_factory(args.env_id, env_kwargs, args.max_turns)
+    new_env, probe = make_env(args.env_id, env_kwargs, args.max_turns)
     train_tasks = list(probe.task_ids("train"))
     test_tasks = list(probe.task_ids("test"))
     if args.eval_num_tasks:
@@ -840,7 +842,7 @@ def main(args: Args):
 
     def run_eval(it):
         t0 = time.time()
-        row, records = evaluate(model, tok, make_env, test_tasks, args, max_new)
+        row, records = evaluate(model, tok, new_env, test_tasks, args, max_new)
         row["perf/eval_seconds"] = time.time() - t0
         logger.log_samples(it, records)
         return row
@@ -856,26 +858,26 @@ def main(args: Args):
         t_iter = time.time()
         tasks = [train_tasks[i] for i in rng.choice(len(train_tasks), size=args.tasks_per_iteration,
                                                     replace=len(train_tasks) < args.tasks_per_iteration)]
-        eps = rollout(model, tok, make_env, [t for t in tasks for _ in range(G)],
+        episodes = rollout(model, tok, new_env, [t for t in tasks for _ in range(G)],
                       [g for g in range(len(tasks)) for _ in range(G)], args.temperature, max_new)
         t_roll = time.time() - t_iter
 
         t1 = time.time()
-        samples, cstats = credit(eps, args, omega)
+        samples, cstats = compute_advantages(episodes, args, omega)
         t_credit = time.time() - t1
 
         t2 = time.time()
         ustats = update(model, tok, optimizer, samples, args, rng)
         t_upd = time.time() - t2
 
-        n_turns = sum(ep.length for ep in eps)
+        n_turns = sum(ep.length for ep in episodes)
         n_tok = sum(len(s["completion"]) for s in samples)
         t_total = time.time() - t_iter
         row = {
-            "charts/success": float(np.mean([ep.success for ep in eps])),
-            "charts/return": float(np.mean([sum(ep.env_rewards) for ep in eps])),
-            "charts/episode_length": float(np.mean([ep.length for ep in eps])),
-            "charts/invalid_rate": float(sum(sum(ep.invalid) for ep in eps) / max(n_turns, 1)),
+            "charts/success": float(np.mean([ep.success for ep in episodes])),
+            "charts/return": float(np.mean([sum(ep.env_rewards) for ep in episodes])),
+            "charts/episode_length": float(np.mean([ep.length for ep in episodes])),
+            "charts/invalid_rate": float(sum(sum(ep.invalid) for ep in episodes) / max(n_turns, 1)),
             "losses/policy_loss": ustats.get("pg_loss", 0.0),
             "losses/loss": ustats.get("loss", 0.0),
             "losses/kl_ref": ustats.get("kl_ref", 0.0),

@@ -124,7 +124,7 @@ def cmd_snr(a):
     out = {"exp": "snr", "model": label(a.model), "episodes": len(eps),
            "success": float(np.mean([e.success for e in eps])), "schemes": {}}
     for mode in ("none", "graph"):
-        samples, _ = G.credit(eps, G.Args(step_advantage=mode), 0.8)
+        samples, _ = G.compute_advantages(eps, G.Args(step_advantage=mode), 0.8)
         for scheme in ("token", "positive"):
             name = f"{'GRPO' if mode == 'none' else 'GraphGPO'}{'' if scheme == 'token' else ', A > 0 only'}"
             ss = [dict(s, w=s["adv"] if scheme == "token" else max(s["adv"], 0.0)) for s in samples]
@@ -169,7 +169,7 @@ def cmd_train(a):
         else:
             eps = G.rollout(model, tok, make, [t for t in tasks for _ in range(a.group)],
                             [g for g in range(a.tasks) for _ in range(a.group)], 1.0, 4)
-            samples, _ = G.credit(eps, args, 0.8)
+            samples, _ = G.compute_advantages(eps, args, 0.8)
         G.update(model, tok, opt, samples, args, rng)
         if it % a.eval_every == 0:
             curve.append({"iteration": it, "success": success(model, tok, make, test), "seconds": time.time() - t0})

@@ -88,7 +88,7 @@ def test_loss_zero_weights_give_zero_loss_and_gradient():
 
 
 def test_loss_split_over_micro_batches_sums_to_the_whole():
-    # train_strategist adds (|S| / T) * epo_loss(S) per micro-batch S of one trajectory's turns:
+    # update adds (|S| / T) * epo_loss(S) per micro-batch S of one trajectory's turns:
     # (1/2) * epo_loss(turn 0) + (1/2) * epo_loss(turn 1) = (1/2)(1.5) + (1/2)(0.75) = 1.125
     lp = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, -1.5, -2.5]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
@@ -133,7 +133,7 @@ def test_malformed_prm_answer_marks_no_critical_turn(answer):
 
 
 def test_prm_prompt_numbers_the_conversation():
-    tr = epo.Trajectory(0, 0, "p00_s0.8_b1.2_T8", "Alice", "self", strategies=["Strategy: anchor high",
+    tr = epo.Episode(0, 0, "p00_s0.8_b1.2_T8", "Alice", "self", strategies=["Strategy: anchor high",
                         "Strategy: hold firm"], views=["Round 1 of 8.", "Round 2 of 8. Bob proposes $90."],
                         context="You are Alice.", score=6.5)
     text, positions = epo.prm_prompt(tr, "negotiation", True, "Bob")

@@ -59,14 +59,14 @@ def _update(name, mod, model, tok, prompts, comps, sign):
         args = mod.Args(num_epochs=1, warmup_ratio=0.0, trajectories_per_step=2)
         trajs = []
         for j in range(0, len(prompts), 2):
-            tr = mod.Trajectory(traj_id=j, game_id=j, task_id="t", player="Alice", opponent="self")
+            tr = mod.Episode(traj_id=j, game_id=j, task_id="t", player="Alice", opponent="self")
             tr.prompts, tr.completions = prompts[j:j + 2], comps[j:j + 2]
             tr.strategies = [ANSWERS[j], ANSWERS[j + 1]]
             tr.weights = [sign, sign]
             trajs.append(tr)
         # one optimizer step over the whole batch (a constant lr: the schedule's single step is its warm-up)
         args.trajectories_per_step = len(trajs)
-        mod.train_strategist(model, tok, trajs, args, 1e-2, rng)
+        mod.update(model, tok, trajs, args, 1e-2, rng)
     else:  # pragma: no cover
         raise ValueError(name)
 
