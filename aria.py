@@ -850,22 +850,6 @@ def save_adapter(model, run_dir: Path):
 # ----------------------------------------------------------------------------------------------
 # 6. Main loop
 # ----------------------------------------------------------------------------------------------
-def tiny_recipe(model_name, env_id, tiny_preset):
-    """The build recipe of a tiny policy ("tiny" or a directory with tiny_meta.json); None otherwise."""
-    if model_name == "tiny":
-        from common.models import UserError
-        from common.tiny import full_recipe
-
-        try:
-            return full_recipe(env_id, tiny_preset)
-        except (ValueError, TypeError) as e:
-            raise UserError(f"tiny policy: {e}") from None
-    meta = Path(model_name).expanduser() / "tiny_meta.json"
-    if meta.is_file():
-        return json.loads(meta.read_text()).get("recipe") or {}
-    return None
-
-
 def make_env_spec(env_id, env_kwargs, max_turns):
     """What the loop needs about the env: a factory, a probe instance, whether it is a two-player game."""
     import envs
@@ -892,7 +876,7 @@ def make_env_spec(env_id, env_kwargs, max_turns):
 
 
 def main(args: Args):
-    from common.models import UserError, load_policy, policy_env_kwargs
+    from common.models import UserError, load_policy, policy_defaults
 
     t_start = time.time()
     if args.torch_threads > 0:
@@ -911,9 +895,8 @@ def main(args: Args):
     rng = np.random.default_rng(args.seed)
 
     # a tiny policy was trained on prompts rendered with its recipe's env options: use the same ones
-    env_kwargs = policy_env_kwargs(args.model_name, args.env_id, args.tiny_preset)
-    recipe = tiny_recipe(args.model_name, args.env_id, args.tiny_preset)  # max_new_tokens of a tiny policy
-    is_tiny = recipe is not None
+    defaults = policy_defaults(args.model_name, args.env_id, args.tiny_preset, learning_rate=2e-5, max_new_tokens=128)
+    env_kwargs = dict(defaults.env_kwargs)
     if args.history is not None:
         env_kwargs["history"] = args.history
     spec = make_env_spec(args.env_id, env_kwargs, args.max_turns)
@@ -928,8 +911,8 @@ def main(args: Args):
     if args.batch_size is None:
         args.batch_size = 32 if spec["two_player"] else 16
     if args.max_new_tokens is None:
-        args.max_new_tokens = int(recipe.get("max_new_tokens", 24)) if is_tiny else 128
-    lr = args.learning_rate if args.learning_rate is not None else (5e-4 if is_tiny else 2e-5)
+        args.max_new_tokens = defaults.max_new_tokens
+    lr = args.learning_rate if args.learning_rate is not None else defaults.learning_rate
     train_tasks = list(probe.task_ids("train"))
     test_tasks = list(probe.task_ids("test"))
     if args.eval_num_tasks:

@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO))
 import envs  # noqa: E402
 import graphgpo as G  # noqa: E402
 from common import tiny  # noqa: E402
-from common.models import load_policy, policy_env_kwargs  # noqa: E402
+from common.models import load_policy, policy_defaults  # noqa: E402
 
 OUT = REPO / "runs" / "learning_diag"
 
@@ -63,7 +63,7 @@ def setup(model_dir, seed, full=False):
     if full:  # train every weight, not only the LoRA adapter
         for p in model.parameters():
             p.requires_grad_(True)
-    kw = policy_env_kwargs(model_dir, "sokoban")
+    kw = dict(policy_defaults(model_dir, "sokoban", learning_rate=5e-4, max_new_tokens=4).env_kwargs)
 
     def make():
         return envs.make("sokoban", **kw)
@@ -186,7 +186,7 @@ def cmd_sft(a):
     model = AutoModelForCausalLM.from_pretrained(a.model)
     tok = AutoTokenizer.from_pretrained(a.model)
     recipe = tiny.read_meta(a.model)["recipe"]
-    kw = policy_env_kwargs(a.model, "sokoban")
+    kw = dict(policy_defaults(a.model, "sokoban", learning_rate=5e-4, max_new_tokens=4).env_kwargs)
 
     def make():
         return envs.make("sokoban", **kw)
