@@ -250,6 +250,39 @@ def trajectory_advantages(returns, eps=1e-6):
     return (R - R.mean()) / (R.std(ddof=1) + eps)
 
 
+def compute_advantages(episodes, num_groups, args):
+    """Episodes in (group_id = the secret's index), training samples out: the turn rewards of every game
+    (ΔBelief: `turn_rewards`; StarPO: `starpo_turn_rewards`) and their advantages within each group
+    (`turnwise_advantages`; StarPO: `trajectory_advantages` of the summed rewards on every turn).
+    Returns (samples, all turn rewards, all finite belief deltas) for logging."""
+    samples, all_r, deltas = [], [], []
+    for g in range(num_groups):
+        grp = [ep for ep in episodes if ep.group_id == g]
+        lengths = np.array([ep.length for ep in grp])
+        T_max = int(lengths.max())
+        R = np.zeros((len(grp), T_max))
+        for i, ep in enumerate(grp):
+            if args.reward_mode == "delta":
+                R[i, : ep.length] = turn_rewards(ep.beliefs, ep.won, ep.invalid, ep.repeated, args.lam,
+                                                 args.win_reward, args.turn_penalty, args.invalid_penalty,
+                                                 args.repeat_penalty)
+                d = np.diff(np.asarray(ep.beliefs, dtype=np.float64))
+                deltas += [float(x) for x in (d[:-1] if ep.won else d) if np.isfinite(x)]
+            else:
+                R[i, : ep.length] = starpo_turn_rewards(ep.won, ep.invalid, ep.repeated, args.win_reward,
+                                                        args.turn_penalty, args.invalid_penalty, args.repeat_penalty)
+            all_r += list(R[i, : ep.length])
+        if args.reward_mode == "delta":
+            A = turnwise_advantages(R, lengths, args.adv_eps)
+        else:
+            A = np.repeat(trajectory_advantages(R.sum(1), args.adv_eps)[:, None], T_max, axis=1)
+        for i, ep in enumerate(grp):
+            for t in range(ep.length):
+                samples.append({"prompt": ep.prompts[t], "completion": ep.completions[t], "adv": float(A[i, t]),
+                                "traj": ep.traj_id, "turn": t, "group": g})
+    return samples, all_r, deltas
+
+
 # ----------------------------------------------------------------------------------------------
 # 3. Rollout
 # ----------------------------------------------------------------------------------------------
@@ -390,7 +423,7 @@ def belief_message_for(template, env, is_tiny):
     return "Is it '{target}'?"
 
 
-def rollout(model, tok, make_env, task_ids, group_ids, args, temperature, belief_message, greedy=False,
+def rollout(model, tok, new_env, task_ids, group_ids, args, temperature, belief_message, greedy=False,
             best_of_n=0, max_turns=None, with_beliefs=True):
     """Play one game per task id, all envs stepped together: one batched generate per turn.
 
@@ -398,19 +431,19 @@ def rollout(model, tok, make_env, task_ids, group_ids, args, temperature, belief
     answered by a deep copy of the env (the oracle), and the one with the largest belief gain is kept
     (a question that wins the game is always kept).
     """
-    envs_, eps = [], []
+    envs_, episodes = [], []
     for i, (task, g) in enumerate(zip(task_ids, group_ids)):
-        env = make_env()
+        env = new_env()
         if max_turns:
             env.max_turns = max_turns
         env.reset(task)
         envs_.append(env)
-        eps.append(Episode(traj_id=i, group_id=g, task_id=str(task), target=str(getattr(env, "target", ""))))
+        episodes.append(Episode(traj_id=i, group_id=g, task_id=str(task), target=str(getattr(env, "target", ""))))
     model.eval()
     tmpl, mb = belief_message, args.micro_batch_size
     if with_beliefs or best_of_n:
-        b0 = elicit_beliefs(model, tok, [e.messages() for e in envs_], [ep.target for ep in eps], tmpl, mb)
-        for ep, b in zip(eps, b0):
+        b0 = elicit_beliefs(model, tok, [e.messages() for e in envs_], [ep.target for ep in episodes], tmpl, mb)
+        for ep, b in zip(episodes, b0):
             ep.beliefs.append(float(b))
     while True:
         active = [i for i, e in enumerate(envs_) if not e.done]
@@ -430,10 +463,10 @@ def rollout(model, tok, make_env, task_ids, group_ids, args, temperature, belief
             need = [q for q, st in enumerate(steps) if not st.info["success"]]
             bs = np.full(len(copies), np.inf)
             bs[need] = elicit_beliefs(model, tok, [copies[q].messages() for q in need],
-                                      [eps[active[q // n]].target for q in need], tmpl, mb)
+                                      [episodes[active[q // n]].target for q in need], tmpl, mb)
             chosen = []
             for k, i in enumerate(active):
-                gains = bs[k * n:(k + 1) * n] - eps[i].beliefs[-1]
+                gains = bs[k * n:(k + 1) * n] - episodes[i].beliefs[-1]
                 j = int(np.argmax(gains))
                 envs_[i] = copies[k * n + j]
                 chosen.append((comps[k * n + j], steps[k * n + j], bs[k * n + j]))
@@ -443,7 +476,7 @@ def rollout(model, tok, make_env, task_ids, group_ids, args, temperature, belief
                 chosen.append((comps[k], envs_[i].step(decode_action(tok, comps[k])), None))
         for k, i in enumerate(active):
             comp, st, b = chosen[k]
-            ep = eps[i]
+            ep = episodes[i]
             ep.prompts.append(prompts[k])
             ep.completions.append(comp)
             ep.actions.append(decode_action(tok, comp))
@@ -456,12 +489,12 @@ def rollout(model, tok, make_env, task_ids, group_ids, args, temperature, belief
             if b is not None:
                 ep.beliefs.append(float(b) if np.isfinite(b) else float("nan"))
         if with_beliefs and best_of_n <= 1:
-            need = [i for i in active if not eps[i].won]
-            bs = elicit_beliefs(model, tok, [envs_[i].messages() for i in need], [eps[i].target for i in need], tmpl, mb)
+            need = [i for i in active if not episodes[i].won]
+            bs = elicit_beliefs(model, tok, [envs_[i].messages() for i in need], [episodes[i].target for i in need], tmpl, mb)
             got = dict(zip(need, bs))
             for i in active:
-                eps[i].beliefs.append(float(got[i]) if i in got else float("nan"))
-    return eps
+                episodes[i].beliefs.append(float(got[i]) if i in got else float("nan"))
+    return episodes
 
 
 # ----------------------------------------------------------------------------------------------
@@ -628,22 +661,22 @@ def episode_record(ep, tag):
         for t, (a, o) in enumerate(zip(ep.actions, ep.observations))], "b0": ep.beliefs[0] if ep.beliefs else None}
 
 
-def evaluate(model, tok, make_env, tasks, args, max_turns, prefix, belief_message, best_of_n=0):
+def evaluate(model, tok, new_env, tasks, args, max_turns, prefix, belief_message, best_of_n=0):
     """Sampled (k per task, training temperature), greedy (1 per task) and optionally best-of-n games."""
     out, records = {}, []
     tasks_k = [t for t in tasks for _ in range(args.eval_k)]
     groups_k = [g for g in range(len(tasks)) for _ in range(args.eval_k)]
-    eps = rollout(model, tok, make_env, tasks_k, groups_k, args, args.eval_temperature, belief_message,
+    episodes = rollout(model, tok, new_env, tasks_k, groups_k, args, args.eval_temperature, belief_message,
                   max_turns=max_turns)
-    for key, v in episode_stats(eps, args.eval_k).items():
+    for key, v in episode_stats(episodes, args.eval_k).items():
         out[f"{prefix}{key}"] = v
-    out[f"{prefix}belief_curve"] = belief_curve(eps, max_turns)
-    records += [episode_record(ep, f"{prefix}sampled") for ep in eps[: args.num_logged_episodes]]
-    greedy = rollout(model, tok, make_env, tasks, list(range(len(tasks))), args, 1.0, belief_message, greedy=True,
+    out[f"{prefix}belief_curve"] = belief_curve(episodes, max_turns)
+    records += [episode_record(ep, f"{prefix}sampled") for ep in episodes[: args.num_logged_episodes]]
+    greedy = rollout(model, tok, new_env, tasks, list(range(len(tasks))), args, 1.0, belief_message, greedy=True,
                      max_turns=max_turns, with_beliefs=False)
     out[f"{prefix}success_greedy"], out[f"{prefix}success_greedy_se"] = mean_se([ep.won for ep in greedy])
     if best_of_n > 0:
-        bon = rollout(model, tok, make_env, tasks, list(range(len(tasks))), args, args.eval_temperature,
+        bon = rollout(model, tok, new_env, tasks, list(range(len(tasks))), args, args.eval_temperature,
                       belief_message, best_of_n=best_of_n, max_turns=max_turns)
         out[f"{prefix}bon{best_of_n}_success"] = float(np.mean([ep.won for ep in bon]))
         out[f"{prefix}bon{best_of_n}_num_questions"] = float(np.mean([ep.length for ep in bon]))
@@ -726,7 +759,7 @@ def save_adapter(model, run_dir: Path):
 # ----------------------------------------------------------------------------------------------
 # 6. Main loop
 # ----------------------------------------------------------------------------------------------
-def make_env_factory(env_id, env_kwargs, max_turns, what):
+def make_env(env_id, env_kwargs, max_turns, what):
     """A function that builds the env (user errors -> UserError) and one probe instance."""
     import envs
     from common.models import UserError
@@ -774,9 +807,9 @@ def main(args: Args):
     env_kwargs, is_tiny = dict(defaults.env_kwargs), defaults.is_tiny
     if args.history is not None:
         env_kwargs["history"] = args.history
-    make_env, probe = make_env_factory(args.env_id, env_kwargs, args.max_turns, "env")
+    new_env, probe = make_env(args.env_id, env_kwargs, args.max_turns, "env")
     eval_max_turns = args.eval_max_turns or args.max_turns
-    make_eval_env, _ = make_env_factory(args.env_id, env_kwargs, eval_max_turns, "env")
+    new_eval_env, _ = make_env(args.env_id, env_kwargs, eval_max_turns, "env")
     ood = None
     if args.eval_env_id and args.eval_env_id != args.env_id:
         # the policy's prompt format carries over (a tiny 20Q policy reads no instruction text and an
@@ -784,9 +817,9 @@ def main(args: Args):
         ood_kwargs = {k: env_kwargs[k] for k in ("instructions", "numbered") if k in env_kwargs}
         if args.history is not None:
             ood_kwargs["history"] = args.history
-        make_ood, ood_probe = make_env_factory(args.eval_env_id, ood_kwargs, eval_max_turns, "--eval-env-id")
+        new_ood_env, ood_probe = make_env(args.eval_env_id, ood_kwargs, eval_max_turns, "--eval-env-id")
         ood_tasks = ood_probe.task_ids("test")
-        ood = (make_ood, ood_tasks[: args.eval_num_tasks] if args.eval_num_tasks else ood_tasks,
+        ood = (new_ood_env, ood_tasks[: args.eval_num_tasks] if args.eval_num_tasks else ood_tasks,
                belief_message_for(args.belief_template, ood_probe, is_tiny))
     belief_message = belief_message_for(args.belief_template, probe, is_tiny)
     if args.max_new_tokens is None:
@@ -816,7 +849,7 @@ def main(args: Args):
     def run_eval(it, final=False):
         t0 = time.time()
         bon = args.eval_best_of_n if (it == 0 or final) else 0
-        row, records = evaluate(model, tok, make_eval_env, test_tasks, args, eval_max_turns, "eval/", belief_message, bon)
+        row, records = evaluate(model, tok, new_eval_env, test_tasks, args, eval_max_turns, "eval/", belief_message, bon)
         if ood is not None:
             r2, rec2 = evaluate(model, tok, ood[0], ood[1], args, eval_max_turns, "eval/ood_", ood[2], bon)
             row.update(r2)
@@ -839,37 +872,13 @@ def main(args: Args):
                                                       replace=len(train_tasks) < args.tasks_per_iteration)]
         tasks = [t for t in targets for _ in range(G)]
         groups = [g for g in range(len(targets)) for _ in range(G)]
-        eps = rollout(model, tok, make_env, tasks, groups, args, args.temperature, belief_message,
+        episodes = rollout(model, tok, new_env, tasks, groups, args, args.temperature, belief_message,
                       with_beliefs=args.reward_mode == "delta")
         t_roll = time.time() - t0
 
         # credit assignment, one group (= one secret) at a time
         t1 = time.time()
-        samples, all_r, deltas = [], [], []
-        for g in range(len(targets)):
-            grp = [ep for ep in eps if ep.group_id == g]
-            lengths = np.array([ep.length for ep in grp])
-            T_max = int(lengths.max())
-            R = np.zeros((len(grp), T_max))
-            for i, ep in enumerate(grp):
-                if args.reward_mode == "delta":
-                    R[i, : ep.length] = turn_rewards(ep.beliefs, ep.won, ep.invalid, ep.repeated, args.lam,
-                                                     args.win_reward, args.turn_penalty, args.invalid_penalty,
-                                                     args.repeat_penalty)
-                    d = np.diff(np.asarray(ep.beliefs, dtype=np.float64))
-                    deltas += [float(x) for x in (d[:-1] if ep.won else d) if np.isfinite(x)]
-                else:
-                    R[i, : ep.length] = starpo_turn_rewards(ep.won, ep.invalid, ep.repeated, args.win_reward,
-                                                            args.turn_penalty, args.invalid_penalty, args.repeat_penalty)
-                all_r += list(R[i, : ep.length])
-            if args.reward_mode == "delta":
-                A = turnwise_advantages(R, lengths, args.adv_eps)
-            else:
-                A = np.repeat(trajectory_advantages(R.sum(1), args.adv_eps)[:, None], T_max, axis=1)
-            for i, ep in enumerate(grp):
-                for t in range(ep.length):
-                    samples.append({"prompt": ep.prompts[t], "completion": ep.completions[t], "adv": float(A[i, t]),
-                                    "traj": ep.traj_id, "turn": t, "group": g})
+        samples, all_r, deltas = compute_advantages(episodes, len(targets), args)
         advs = np.array([s["adv"] for s in samples])
         t_credit = time.time() - t1
 
@@ -878,13 +887,13 @@ def main(args: Args):
         t_upd = time.time() - t2
 
         n_tok = sum(len(s["completion"]) for s in samples)
-        n_q = sum(ep.length for ep in eps)
+        n_q = sum(ep.length for ep in episodes)
         row.update({
-            "charts/success": float(np.mean([ep.won for ep in eps])),
-            "charts/return": float(np.mean([ep.env_return for ep in eps])),
-            "charts/episode_length": float(np.mean([ep.length for ep in eps])),
-            "charts/invalid_rate": float(sum(sum(ep.invalid) for ep in eps) / max(n_q, 1)),
-            "charts/repeated_rate": float(sum(sum(ep.repeated) for ep in eps) / max(n_q, 1)),
+            "charts/success": float(np.mean([ep.won for ep in episodes])),
+            "charts/return": float(np.mean([ep.env_return for ep in episodes])),
+            "charts/episode_length": float(np.mean([ep.length for ep in episodes])),
+            "charts/invalid_rate": float(sum(sum(ep.invalid) for ep in episodes) / max(n_q, 1)),
+            "charts/repeated_rate": float(sum(sum(ep.repeated) for ep in episodes) / max(n_q, 1)),
             "charts/turn_reward_mean": float(np.mean(all_r)) if all_r else 0.0,
             "losses/policy_loss": ustats["loss"],
             "losses/approx_kl": ustats["kl"],
@@ -901,7 +910,7 @@ def main(args: Args):
         if args.reward_mode == "delta":
             row["credit/delta_belief_mean"] = float(np.mean(deltas)) if deltas else 0.0
             row["credit/delta_belief_pos_frac"] = float(np.mean([d > 0 for d in deltas])) if deltas else 0.0
-            row["credit/belief_b0_mean"] = float(np.mean([ep.beliefs[0] for ep in eps]))
+            row["credit/belief_b0_mean"] = float(np.mean([ep.beliefs[0] for ep in episodes]))
             row["credit/belief_gain_reward_mean"] = float(args.lam * np.mean(np.maximum(deltas, 0))) if deltas else 0.0
         if torch.cuda.is_available():
             row["perf/peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30

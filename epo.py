@@ -265,6 +265,21 @@ def parse_prm_answer(text, turn_positions):
     return crit
 
 
+def compute_advantages(episodes, args):
+    """Episodes in, per-turn weights out (`ep.weights`, the A_t of the loss): the critical turns (the rule
+    PRM's `rule_critical_turns` on the env's progress; none with --prm none; with --prm llm they were set
+    by `llm_prm` before this call), then `epo_turn_weights` (all ones with --weights ones, EPO-SFT)."""
+    for ep in episodes:
+        if args.prm == "rule":
+            ep.critical = rule_critical_turns(ep.progress, args.prm_top_k, args.prm_min_gain).tolist()
+        elif args.prm == "none":
+            ep.critical = [False] * ep.length
+        if args.weights == "ones":
+            ep.weights = [1.0] * ep.length
+        else:
+            ep.weights = epo_turn_weights(ep.critical, ep.outcome, args.gamma).tolist()
+
+
 # ----------------------------------------------------------------------------------------------
 # 3. Rollout
 # ----------------------------------------------------------------------------------------------
@@ -1046,15 +1061,7 @@ def main(args: Args):
             crits, answers, prm_fails = llm_prm(model, tok, episodes, args, args.env_id, two_player, players)
             for tr, c, a in zip(episodes, crits, answers):
                 tr.critical, tr.prm_answer = c, a
-        for tr in episodes:
-            if args.prm == "rule":
-                tr.critical = rule_critical_turns(tr.progress, args.prm_top_k, args.prm_min_gain).tolist()
-            elif args.prm == "none":
-                tr.critical = [False] * tr.length
-            if args.weights == "ones":
-                tr.weights = [1.0] * tr.length
-            else:
-                tr.weights = epo_turn_weights(tr.critical, tr.outcome, args.gamma).tolist()
+        compute_advantages(episodes, args)
         t_prm = time.time() - t1
 
         t2 = time.time()

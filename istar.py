@@ -293,6 +293,37 @@ def normalize_step_rewards(step_rewards, eps=1e-6):
     return r / (r.abs().max() + eps)
 
 
+def compute_advantages(samples, outcomes, traj_group, step_r, tok_r, args):
+    """Samples in (one per step, `traj` = trajectory index), each gets `adv`: a tensor with one advantage
+    per completion token. Step level (and RLOO/GRPO without the PRM): A = A^E + α·A^S(step reward) on
+    every token of the step (Eq. 3-5); token level (Table 3 ablation): every token is its own step with
+    its token reward. `outcomes`/`traj_group`: per trajectory; `step_r` [n steps], `tok_r` (list of
+    per-token rewards, or None). Returns the credit statistics that are logged."""
+    traj_index = torch.tensor([x["traj"] for x in samples], dtype=torch.long)
+    if args.step_reward_granularity == "step" or tok_r is None:
+        r_in = step_r.double()
+        r_in = normalize_step_rewards(r_in) if args.step_reward_norm == "batch_max_abs" else r_in
+        adv = istar_advantages(outcomes, traj_group, r_in, traj_index, args.alpha, args.estimator, args.adv_eps)
+        adv_e = istar_advantages(outcomes, traj_group, r_in, traj_index, 0.0, args.estimator, args.adv_eps)
+        for x, a in zip(samples, adv.tolist()):
+            x["adv"] = torch.full((len(x["completion"]),), a)
+    else:
+        flat = torch.cat(tok_r).double()
+        flat = normalize_step_rewards(flat) if args.step_reward_norm == "batch_max_abs" else flat
+        tok_traj = torch.cat([torch.full((len(x["completion"]),), x["traj"]) for x in samples])
+        adv = istar_advantages(outcomes, traj_group, flat, tok_traj, args.alpha, args.estimator, args.adv_eps)
+        adv_e = istar_advantages(outcomes, traj_group, flat, tok_traj, 0.0, args.estimator, args.adv_eps)
+        pos = 0
+        for x in samples:
+            c = len(x["completion"])
+            x["adv"] = adv[pos:pos + c].float()
+            pos += c
+    advs = torch.cat([x["adv"] for x in samples]) if samples else torch.zeros(0)
+    return {"credit/adv_abs_mean": float(advs.abs().mean()) if len(advs) else 0.0,
+            "credit/adv_episode_abs_mean": float(adv_e.abs().mean()) if len(adv_e) else 0.0,
+            "credit/adv_step_abs_mean": float((adv - adv_e).abs().mean()) if len(adv) else 0.0}
+
+
 # ----------------------------------------------------------------------------------------------
 # 3. Rollout
 # ----------------------------------------------------------------------------------------------
@@ -366,15 +397,15 @@ def _progress(env, info=None):
         return float("nan")
 
 
-def rollout(model, tok, make_env, task_ids, group_ids, temperature, max_new_tokens, greedy=False):
+def rollout(model, tok, new_env, task_ids, group_ids, temperature, max_new_tokens, greedy=False):
     """Play one episode per task id with the policy adapter, all envs stepped together (one batched
     generate per turn). Returns the episodes with every step's prompt and completion token ids."""
-    envs_, eps, prog = [], [], []
+    envs_, episodes, prog = [], [], []
     for i, (task, g) in enumerate(zip(task_ids, group_ids)):
-        env = make_env()
+        env = new_env()
         env.reset(task)
         envs_.append(env)
-        eps.append(Episode(traj_id=i, group_id=int(g), task_id=str(task)))
+        episodes.append(Episode(traj_id=i, group_id=int(g), task_id=str(task)))
         prog.append(_progress(env))
     model.set_adapter("default")
     model.eval()
@@ -385,7 +416,7 @@ def rollout(model, tok, make_env, task_ids, group_ids, temperature, max_new_toke
         prompts = [encode(tok, render_prompt(tok, envs_[i].messages())) for i in active]
         comps = generate(model, tok, prompts, temperature, max_new_tokens, greedy=greedy)
         for k, i in enumerate(active):
-            ep = eps[i]
+            ep = episodes[i]
             text = tok.decode(comps[k], skip_special_tokens=True)
             st = envs_[i].step(text)
             ep.prompts.append(prompts[k])
@@ -399,7 +430,7 @@ def rollout(model, tok, make_env, task_ids, group_ids, temperature, max_new_toke
             ep.env_return += float(st.reward)
             if st.done:
                 ep.success = bool(st.info.get("success", False))
-    return eps
+    return episodes
 
 
 # ----------------------------------------------------------------------------------------------
@@ -545,7 +576,7 @@ def policy_loss(logp, old_logp, adv, weights, clip_eps, dual_clip, step_mask=Non
     return (loss_tok * weights).sum(), clipped, ratio
 
 
-def policy_update(model, tok, optimizer, samples, args, rng):
+def update(model, tok, optimizer, samples, args, rng):
     """One pass over the steps in `num_minibatches` optimizer steps of the policy adapter. samples: dicts
     with prompt, completion, old (token log-probs) and adv (per-token advantages). Step-level ratio and
     step-mean (`--ratio-level step`, Eq. 6) or per-token ratios and token-mean (`token`)."""
@@ -598,20 +629,20 @@ def episode_record(ep, tag):
             "steps": [{"action": a, "observation": o} for a, o in zip(ep.actions, ep.observations)]}
 
 
-def evaluate(model, tok, make_env, tasks, args, max_new_tokens):
+def evaluate(model, tok, new_env, tasks, args, max_new_tokens):
     """Sampled (training temperature) and greedy episodes on the test tasks with the policy adapter."""
     ids = list(range(len(tasks)))
-    eps = rollout(model, tok, make_env, tasks, ids, args.eval_temperature, max_new_tokens)
-    greedy = rollout(model, tok, make_env, tasks, ids, 1.0, max_new_tokens, greedy=True)
+    episodes = rollout(model, tok, new_env, tasks, ids, args.eval_temperature, max_new_tokens)
+    greedy = rollout(model, tok, new_env, tasks, ids, 1.0, max_new_tokens, greedy=True)
     out = {}
-    out["eval/success"], out["eval/success_se"] = mean_se([ep.success for ep in eps])
+    out["eval/success"], out["eval/success_se"] = mean_se([ep.success for ep in episodes])
     out["eval/success_greedy"], out["eval/success_greedy_se"] = mean_se([ep.success for ep in greedy])
     out.update({
-        "eval/return": float(np.mean([ep.env_return for ep in eps])),
+        "eval/return": float(np.mean([ep.env_return for ep in episodes])),
         "eval/return_greedy": float(np.mean([ep.env_return for ep in greedy])),
-        "eval/episode_length": float(np.mean([ep.length for ep in eps])),
+        "eval/episode_length": float(np.mean([ep.length for ep in episodes])),
     })
-    records = [episode_record(ep, "sampled") for ep in eps[: args.num_logged_episodes]]
+    records = [episode_record(ep, "sampled") for ep in episodes[: args.num_logged_episodes]]
     records += [episode_record(ep, "greedy") for ep in greedy[: max(1, args.num_logged_episodes // 2)]]
     return out, records
 
@@ -707,7 +738,7 @@ def save_adapters(model, run_dir: Path):
 # ----------------------------------------------------------------------------------------------
 # 6. Main loop
 # ----------------------------------------------------------------------------------------------
-def make_env_factory(args):
+def make_env(args):
     """A function that builds the env (user errors -> UserError), one probe instance, and the policy's
     model-dependent defaults (`policy_defaults`)."""
     import envs
@@ -757,7 +788,7 @@ def main(args: Args):
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
 
-    make_env, probe, defaults = make_env_factory(args)
+    new_env, probe, defaults = make_env(args)
     train_tasks = list(probe.task_ids("train"))
     test_tasks = list(probe.task_ids("test"))
     if args.eval_num_tasks:
@@ -793,7 +824,7 @@ def main(args: Args):
 
     def run_eval(it):
         t0 = time.time()
-        row, records = evaluate(model, tok, make_env, test_tasks, args, max_new)
+        row, records = evaluate(model, tok, new_env, test_tasks, args, max_new)
         row["perf/eval_seconds"] = time.time() - t0
         logger.log_samples(it, records)
         return row
@@ -812,14 +843,14 @@ def main(args: Args):
                             replace=len(train_tasks) < args.tasks_per_iteration)
         tasks = [train_tasks[i] for i in chosen for _ in range(N)]
         groups = [g for g in range(len(chosen)) for _ in range(N)]
-        eps = rollout(model, tok, make_env, tasks, groups, args.temperature, max_new)
+        episodes = rollout(model, tok, new_env, tasks, groups, args.temperature, max_new)
         t_roll = time.time() - t0
 
         # samples (one per step) and π_θold log-probs
         t1 = time.time()
         samples = [{"prompt": ep.prompts[t], "completion": ep.completions[t], "traj": ep.traj_id,
                     "group": ep.group_id, "turn": t, "dprog": ep.progress_delta[t]}
-                   for ep in eps for t in range(ep.length)]
+                   for ep in episodes for t in range(ep.length)]
         old = token_logprobs(model, tok, samples, "default", args.micro_batch_size, args.temperature)
         for x, o in zip(samples, old):
             x["old"] = o
@@ -827,9 +858,9 @@ def main(args: Args):
 
         # PRM: pre-update implicit step rewards (Eq. 1), then one trajectory-DPO step (Eq. 2)
         t2 = time.time()
-        outcomes = torch.tensor([ep.env_return - args.invalid_penalty * sum(ep.invalid) for ep in eps], dtype=torch.float64)
-        traj_success = outcomes > threshold if threshold is not None else torch.tensor([ep.success for ep in eps])
-        traj_group = torch.tensor([ep.group_id for ep in eps])
+        outcomes = torch.tensor([ep.env_return - args.invalid_penalty * sum(ep.invalid) for ep in episodes], dtype=torch.float64)
+        traj_success = outcomes > threshold if threshold is not None else torch.tensor([ep.success for ep in episodes])
+        traj_group = torch.tensor([ep.group_id for ep in episodes])
         if use_prm:
             tok_r, step_r, pstats = prm_update(model, tok, prm_optimizer, samples, traj_success, traj_group, args)
         else:
@@ -838,45 +869,25 @@ def main(args: Args):
 
         # advantages (Eq. 3-5)
         traj_index = torch.tensor([x["traj"] for x in samples], dtype=torch.long)
-        if args.step_reward_granularity == "step" or not use_prm:
-            r_in = step_r.double()
-            r_in = normalize_step_rewards(r_in) if args.step_reward_norm == "batch_max_abs" else r_in
-            adv = istar_advantages(outcomes, traj_group, r_in, traj_index, args.alpha, args.estimator, args.adv_eps)
-            adv_e = istar_advantages(outcomes, traj_group, r_in, traj_index, 0.0, args.estimator, args.adv_eps)
-            for x, a in zip(samples, adv.tolist()):
-                x["adv"] = torch.full((len(x["completion"]),), a)
-        else:  # token level (Table 3 ablation): every completion token is its own "step"
-            flat = torch.cat(tok_r).double()
-            flat = normalize_step_rewards(flat) if args.step_reward_norm == "batch_max_abs" else flat
-            tok_traj = torch.cat([torch.full((len(x["completion"]),), x["traj"]) for x in samples])
-            adv = istar_advantages(outcomes, traj_group, flat, tok_traj, args.alpha, args.estimator, args.adv_eps)
-            adv_e = istar_advantages(outcomes, traj_group, flat, tok_traj, 0.0, args.estimator, args.adv_eps)
-            pos = 0
-            for x in samples:
-                c = len(x["completion"])
-                x["adv"] = adv[pos:pos + c].float()
-                pos += c
+        cstats = compute_advantages(samples, outcomes, traj_group, step_r, tok_r, args)
 
         # policy update (Eq. 6)
         t3 = time.time()
-        ustats = policy_update(model, tok, optimizer, samples, args, rng)
+        ustats = update(model, tok, optimizer, samples, args, rng)
         t_upd = time.time() - t3
 
-        n_steps = sum(ep.length for ep in eps)
-        advs = torch.cat([x["adv"] for x in samples]) if samples else torch.zeros(0)
+        n_steps = sum(ep.length for ep in episodes)
         row.update({
-            "charts/success": float(np.mean([ep.success for ep in eps])),
-            "charts/return": float(np.mean([ep.env_return for ep in eps])),
-            "charts/episode_length": float(np.mean([ep.length for ep in eps])),
-            "charts/invalid_rate": float(sum(sum(ep.invalid) for ep in eps) / max(n_steps, 1)),
+            "charts/success": float(np.mean([ep.success for ep in episodes])),
+            "charts/return": float(np.mean([ep.env_return for ep in episodes])),
+            "charts/episode_length": float(np.mean([ep.length for ep in episodes])),
+            "charts/invalid_rate": float(sum(sum(ep.invalid) for ep in episodes) / max(n_steps, 1)),
             "charts/positive_frac": float(traj_success.float().mean()),
             "losses/policy_loss": ustats["loss"],
             "losses/approx_kl": ustats["kl"],
             "losses/clip_frac": ustats["clipfrac"],
             "losses/grad_norm": ustats["grad_norm"],
-            "credit/adv_abs_mean": float(advs.abs().mean()) if len(advs) else 0.0,
-            "credit/adv_episode_abs_mean": float(adv_e.abs().mean()) if len(adv_e) else 0.0,
-            "credit/adv_step_abs_mean": float((adv - adv_e).abs().mean()) if len(adv) else 0.0,
+            **cstats,
             "perf/rollout_seconds": t_roll,
             "perf/old_logprob_seconds": t_old,
             "perf/prm_seconds": t_prm,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import REPO, adapter_tensors, assert_adapter_trained, assert_run_outputs, read_metrics
-from istar import (Args, implicit_step_rewards, istar_advantages, normalize_step_rewards, policy_update,
+from istar import (Args, implicit_step_rewards, istar_advantages, normalize_step_rewards, update,
                    preference_pairs, prm_update, trajectory_dpo_loss, trajectory_scores)
 
 torch.set_num_threads(1)
@@ -322,7 +322,7 @@ def test_two_pass_dpo_gradient_equals_pooled_backward():
     assert max(float(g.abs().max()) for g in two_pass) > 0
 
 
-def test_policy_update_moves_only_the_policy_adapter():
+def test_update_moves_only_the_policy_adapter():
     from istar import adapter_params
 
     model = _two_adapter_model()
@@ -332,7 +332,7 @@ def test_policy_update_moves_only_the_policy_adapter():
         x["adv"] = torch.full((len(x["completion"]),), 1.0 if i % 2 else -1.0)
     opt = torch.optim.AdamW(adapter_params(model, "default"), lr=1e-2)
     before = _snapshot(model)
-    policy_update(model, tok, opt, samples, Args(micro_batch_size=3, num_minibatches=2), np.random.default_rng(0))
+    update(model, tok, opt, samples, Args(micro_batch_size=3, num_minibatches=2), np.random.default_rng(0))
     moved = {n for n, p in model.named_parameters() if not torch.equal(before[n], p)}
     assert moved and all(".default." in n and "lora_" in n for n in moved), sorted(moved)[:5]
 
@@ -385,7 +385,7 @@ def test_sokoban_outcome_is_the_papers_shaped_reward():
     # the shaped return of a solved 1-box level: -0.1 per step, +1 for the box on its target, +10 on solving
     import istar
 
-    make, probe, _ = istar.make_env_factory(istar.Args())  # the default tiny recipe's 1-box levels (not built here)
+    make, probe, _ = istar.make_env(istar.Args())  # the default tiny recipe's 1-box levels (not built here)
     env = make()
     env.reset(env.task_ids("train")[0])
     total, n = 0.0, 0
@@ -393,5 +393,5 @@ def test_sokoban_outcome_is_the_papers_shaped_reward():
         total += env.step(env.expert_action()).reward
         n += 1
     assert env.reward_type == "shaped" and abs(total - (11.0 - 0.1 * n)) < 1e-9
-    make, _, _ = istar.make_env_factory(istar.Args(tiny_preset="micro", sokoban_reward="sparse"))
+    make, _, _ = istar.make_env(istar.Args(tiny_preset="micro", sokoban_reward="sparse"))
     assert make().reward_type == "sparse"

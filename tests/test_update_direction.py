@@ -45,7 +45,7 @@ def _update(name, mod, model, tok, prompts, comps, sign):
         old = mod.token_logprobs(model, tok, samples, "default", args.micro_batch_size)
         for x, o in zip(samples, old):
             x["old"], x["adv"] = o, torch.full_like(o, sign)
-        mod.policy_update(model, tok, torch.optim.AdamW(params, lr=1e-2), samples, args, rng)
+        mod.update(model, tok, torch.optim.AdamW(params, lr=1e-2), samples, args, rng)
     elif name == "delta_belief":
         args = mod.Args(num_minibatches=1)
         samples = [{"prompt": p, "completion": c, "adv": sign, "traj": i % 3}
