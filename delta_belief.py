@@ -413,13 +413,12 @@ def decode_action(tok, completion) -> str:
 
 def belief_message_for(template, env, is_tiny):
     """The elicitation message: a template with {target}, or (template "auto") the official
-    "Is it '{target}'?", except for a tiny policy on an env whose module defines `guess_question(word)`:
-    then the env's canonical guess ("Is it a cat?"), the only guess form a tiny policy has ever seen."""
+    "Is it '{target}'?", except for a tiny policy on an env with guesses (`env.guess_text`): then the
+    env's canonical guess ("Is it a cat?"), the only guess form a tiny policy has ever seen."""
     if template != "auto":
         return template
-    guess = getattr(sys.modules.get(type(env).__module__), "guess_question", None)
-    if is_tiny and callable(guess):
-        return guess
+    if is_tiny and env.guess_text(env.task_ids("test")[0]) is not None:
+        return env.guess_text
     return "Is it '{target}'?"
 
 

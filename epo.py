@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import inspect
 import json
 import math
 import random
@@ -401,7 +400,7 @@ def with_own_strategies(messages, strategies):
 @contextlib.contextmanager
 def utterance_moves(env):
     """Temporarily read the env's messages as moves (not strategies): what the base agent writes and sees."""
-    old = getattr(env, "moves_mode", None)
+    old = env.moves_mode
     if old is not None:
         env.moves_mode = "utterance"
     try:
@@ -446,8 +445,7 @@ class Duel:
         return self.env.rule_agent_action(player, strategy)
 
     def understood(self, strategy):
-        intent = getattr(sys.modules.get(type(self.env).__module__), "strategy_intent", None)
-        return bool(intent(strategy) is not None) if callable(intent) else True
+        return self.env.strategy_understood(strategy)
 
     def step(self, text, utterance):
         with (utterance_moves(self.env) if utterance else contextlib.nullcontext()):
@@ -459,8 +457,8 @@ class Duel:
     def result(self, player):
         """(outcome in [0, 1], score on the env's scale, env return, won, deal)."""
         env = self.env
-        deal = getattr(env, "deal_round", None) is not None
-        score = float(env.scores()[player]) if hasattr(env, "scores") else 10.0 * float(env.progress(player))
+        deal = env.deal_round is not None
+        score = float(env.scores()[player])
         return score / 10.0, score, float(env.payoffs()[player]), env.winner() == player, deal
 
 
@@ -917,16 +915,6 @@ def save_adapter(model, run_dir: Path):
 # ----------------------------------------------------------------------------------------------
 # 6. Main loop
 # ----------------------------------------------------------------------------------------------
-def env_takes(env_id, option) -> bool:
-    """Whether the env's constructor has the keyword `option` (e.g. Negotiation's `moves`)."""
-    import importlib
-
-    import envs
-
-    module, name = envs.REGISTRY[env_id].split(":")
-    return option in inspect.signature(getattr(importlib.import_module(module), name).__init__).parameters
-
-
 def make_env(args):
     """-> (tiny overrides, policy defaults, env kwargs, make_game(task, seats, real), probe env, two_player).
     User errors -> UserError."""
@@ -937,7 +925,7 @@ def make_env(args):
         raise UserError(f"env {args.env_id!r} is not available in this checkout; available env ids: "
                         f"{', '.join(envs.available())}")
     two_player = args.env_id in envs.TWO_PLAYER
-    strategy_moves = env_takes(args.env_id, "moves")
+    strategy_moves = args.env_id in envs.STRATEGY_MOVES
     overrides = {"env_kwargs": {"moves": "strategy"}} if strategy_moves else None
     defaults = policy_defaults(args.model_name, args.env_id, args.tiny_preset, overrides, learning_rate=2e-5,
                                max_new_tokens=48)
@@ -951,7 +939,7 @@ def make_env(args):
         probe.reset(probe.task_ids("test")[0])
     except ValueError as e:
         raise UserError(f"env {args.env_id!r}: {e}") from None
-    if args.agent == "rule" and not hasattr(probe, "rule_agent_action"):
+    if args.agent == "rule" and not strategy_moves:
         raise UserError(f"--agent rule needs an env with a strategy-following rule agent (negotiation); "
                         f"{args.env_id!r} has none: use --agent base")
     if not two_player and args.train_opponent != "self":

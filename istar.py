@@ -389,8 +389,7 @@ def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False):
 def _progress(env, info=None):
     p = (info or {}).get("progress")
     if p is None and info is None:
-        fn = getattr(env, "progress", None)
-        p = fn() if callable(fn) else None
+        p = env.progress()
     try:
         return float(p) if p is not None else float("nan")
     except (TypeError, ValueError):

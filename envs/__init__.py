@@ -23,6 +23,7 @@ REGISTRY = {
 }
 
 TWO_PLAYER = ("bargaining", "negotiation")
+STRATEGY_MOVES = ("negotiation",)  # games whose moves can be strategies: make(env_id, moves="strategy")
 
 
 def available() -> list[str]:
@@ -94,10 +95,10 @@ class VsOpponent(TextEnv):
         info["invalid"] = invalid
         info["success"] = bool(done and pay.get(self.learner, 0.0) > pay.get(self.opponent_role, 0.0))
         info["payoffs"] = pay
-        if hasattr(self.game, "progress"):  # after the opponent's reply, from the learner's side
-            info["progress"] = float(self.game.progress(self.learner))
-            info["progress_by_player"] = {p: float(self.game.progress(p)) for p in self.game.players}
-        if done and hasattr(self.game, "scores"):
+        # after the opponent's reply, from the learner's side
+        info["progress"] = float(self.game.progress(self.learner))
+        info["progress_by_player"] = {p: float(self.game.progress(p)) for p in self.game.players}
+        if done:
             info["scores"] = self.game.scores()
         return Step(self.game.last_view(self.learner), reward, done, info)
 

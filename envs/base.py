@@ -145,6 +145,16 @@ class TextEnv:
         """Canonical actions admissible now (used for noisy demos and random baselines)."""
         return []
 
+    def progress(self) -> Optional[float]:
+        """How far the current state is towards solving the task, in [0, 1] (the same value as
+        `info["progress"]` where the env reports one); None (the default) when the env does not measure it."""
+        return None
+
+    def guess_text(self, target: str) -> Optional[str]:
+        """The env's canonical wording of a final guess of `target` ("Is it a cat?"), for a method that asks
+        the policy about every possible target; None (the default) when the env has no guesses."""
+        return None
+
     def corrupt_action(self, rng) -> str:
         """An action that is wrong or invalid (noise for demos): a random admissible one by default."""
         acts = self.admissible_actions()
@@ -297,4 +307,30 @@ class TwoPlayerEnv:
         return []
 
     def state_key(self) -> Hashable:
+        raise NotImplementedError
+
+    # -- outcome, read by the methods ---------------------------------------------------------------
+    deal_round: Optional[int] = None  # the round in which a deal was made; None while there is none
+
+    def winner(self) -> Optional[str]:
+        """The player whose payoff is higher at the end; None for a tie or without a deal."""
+        raise NotImplementedError
+
+    def progress(self, player: str) -> float:
+        """`player`'s deal position in [0, 1] (0 by default, for a game that does not measure it)."""
+        return 0.0
+
+    def scores(self) -> dict[str, float]:
+        """Each player's score on a 0-10 scale (EPO's outcome is score / 10); by default 10 x progress."""
+        return {p: 10.0 * float(self.progress(p)) for p in self.players}
+
+    # -- strategy moves (EPO): games in `envs.STRATEGY_MOVES` take `moves="strategy"` -------------------
+    moves_mode: Optional[str] = None  # "utterance" or "strategy" in such a game; None in the others
+
+    def strategy_understood(self, strategy: str) -> bool:
+        """Whether the game's strategy-following rule agent understands `strategy` (True by default)."""
+        return True
+
+    def rule_agent_action(self, player: str, strategy: str) -> str:
+        """The move of the strategy-following rule agent of `player` (games with strategy moves only)."""
         raise NotImplementedError

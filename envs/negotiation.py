@@ -169,6 +169,9 @@ class NegotiationEnv(OfferGame):
         pos = (price - lo) / (hi - lo) if player == "Alice" else (hi - price) / (hi - lo)
         return 10.0 * min(1.0, max(0.0, pos))
 
+    def strategy_understood(self, strategy: str) -> bool:
+        return strategy_intent(strategy) is not None
+
     def scores(self) -> dict[str, float]:
         """Goal-completion score 0-10 per side (0 for both without a deal)."""
         if self.deal_offer is None:

@@ -306,3 +306,57 @@ def test_vs_opponent_rejects_bad_opponent_names():
         envs.vs_opponent(game, "fair")
     with pytest.raises(ValueError):
         envs.vs_opponent(game, "rule:no_such_style")
+
+
+# ---------------------------------------------------------------------------------------------
+# the hooks the methods call are declared in envs/base.py, never looked up by reflection
+# ---------------------------------------------------------------------------------------------
+def test_strategy_moves_are_the_games_that_take_moves():
+    """envs.STRATEGY_MOVES lists exactly the games whose constructor takes `moves` (EPO reads the list)."""
+    import importlib
+    import inspect
+
+    takes = [e for e in envs.available() if "moves" in inspect.signature(
+        getattr(importlib.import_module(envs.REGISTRY[e].split(":")[0]), envs.REGISTRY[e].split(":")[1])).parameters]
+    assert sorted(takes) == sorted(e for e in envs.STRATEGY_MOVES if e in envs.available())
+    for e in takes:
+        game = envs.make(e, moves="strategy")
+        assert game.moves_mode == "strategy"
+        assert envs.make(e).moves_mode == "utterance"
+
+
+def test_base_hook_defaults():
+    from envs.base import TextEnv, TwoPlayerEnv
+
+    class Game(TwoPlayerEnv):
+        def progress(self, player):
+            return {"A": 0.25, "B": 0.5}[player]
+
+    assert TextEnv().progress() is None and TextEnv().guess_text("cat") is None
+    assert TwoPlayerEnv().progress("A") == 0.0 and TwoPlayerEnv().deal_round is None
+    assert TwoPlayerEnv().moves_mode is None and TwoPlayerEnv().strategy_understood("anything")
+    assert Game().scores() == {"A": 2.5, "B": 5.0}
+
+
+@pytest.mark.parametrize("env_id", TWO)
+def test_two_player_outcome_hooks(env_id):
+    """A played-out game answers deal_round, winner, progress and scores (aria and epo read them)."""
+    game = envs.make(env_id)
+    game.reset(game.task_ids("test")[0])
+    while not game.done:
+        game.step(game.expert_action(game.current_player))
+    pay = game.payoffs()
+    assert game.deal_round is None or isinstance(game.deal_round, int)
+    if game.deal_round is None:  # no deal: nobody wins or scores
+        assert game.winner() is None and all(v == 0 for v in pay.values())
+    assert game.winner() in (None, *game.players)
+    for p in game.players:
+        assert 0.0 <= game.progress(p) <= 1.0 and 0.0 <= game.scores()[p] <= 10.0
+
+
+@pytest.mark.parametrize("env_id", SINGLE)
+def test_guess_text_only_where_the_env_has_guesses(env_id):
+    env = envs.make(env_id)
+    env.reset(env.task_ids("test")[0])
+    guess = env.guess_text(env.task_ids("test")[0])
+    assert guess is None or (isinstance(guess, str) and not env.step(guess).info["invalid"])
