@@ -69,6 +69,7 @@ Example
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import random
@@ -279,239 +280,6 @@ def aria_credit(labels_by_k, episodes, steps, returns, eps=0.01, tau=10, fixed_k
     return {"k": k_star, "values": values[k_star], "scores": scores, "num_keys": num_keys}
 
 
-# ----------------------------------------------------------------------------------------------
-# 3. Rollout
-# ----------------------------------------------------------------------------------------------
-@dataclass
-class Episode:
-    """One game: its utterances in order and its training steps (one per action of a learning player)."""
-
-    traj_id: int
-    task_id: str
-    utterances: list = field(default_factory=list)  # texts in game order (single agent: a_1, o_1, a_2, ...)
-    kinds: list = field(default_factory=list)  # "action" / "observation" per utterance
-    steps: list = field(default_factory=list)  # dicts: player, pos, prompt, completion, invalid
-    outcome: dict = field(default_factory=dict)  # player -> R in [0, 1]
-    success: bool = False  # single agent: solved; two-player: a deal was made
-    env_return: float = 0.0  # single agent: env reward; two-player: mean payoff
-    payoffs: dict = field(default_factory=dict)
-    share: float = 0.0  # vs a scripted opponent: the learner's final deal position in [0, 1] (0: no deal)
-
-    @property
-    def length(self) -> int:
-        return len(self.steps)
-
-
-def render_prompt(tok, messages) -> str:
-    """The sampling-time prompt: the chat template with the generation prompt, as text. Thinking off:
-    a template that reads `enable_thinking` (Qwen3) opens the answer with an empty think block instead of
-    spending the token budget on thoughts; templates without the variable ignore it."""
-    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=False)
-
-
-def encode(tok, text: str) -> list:
-    return tok(text, add_special_tokens=False)["input_ids"]
-
-
-def decode_action(tok, completion) -> str:
-    return tok.decode(completion, skip_special_tokens=True)
-
-
-@torch.no_grad()
-def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False):
-    """One batched generate (left padding, top_k=0, top_p=1, stop at EOS); temperature <= 0 is greedy.
-    Returns completion id lists: each row up to and including its first EOS, or all `max_new_tokens`
-    tokens when it has none (every one of them was sampled, even one that happens to be the pad id)."""
-    if not prompt_ids:
-        return []
-    device = next(model.parameters()).device
-    pad = tok.pad_token_id
-    L = max(len(p) for p in prompt_ids)
-    input_ids = torch.full((len(prompt_ids), L), pad, dtype=torch.long)
-    attn = torch.zeros((len(prompt_ids), L), dtype=torch.long)
-    for i, p in enumerate(prompt_ids):
-        input_ids[i, L - len(p):] = torch.tensor(p)
-        attn[i, L - len(p):] = 1
-    sample = not greedy and temperature > 0
-    kw = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if sample else dict(do_sample=False)
-    out = model.generate(input_ids=input_ids.to(device), attention_mask=attn.to(device), max_new_tokens=max_new_tokens,
-                         pad_token_id=pad, eos_token_id=tok.eos_token_id, **kw)
-    comps = []
-    for row in out[:, L:].tolist():
-        if tok.eos_token_id in row:
-            row = row[: row.index(tok.eos_token_id) + 1]
-        comps.append(row)
-    return comps
-
-
-def rollout_single(model, tok, make_env, task_ids, args, temperature, greedy=False):
-    """Single-agent games against the env's oracle, all envs stepped together (one generate per turn).
-    Utterances: the parsed action and the observation of every turn; R = 1 if solved, else 0."""
-    from envs import extract_action
-
-    envs_, eps = [], []
-    for i, task in enumerate(task_ids):
-        env = make_env()
-        env.reset(task)
-        envs_.append(env)
-        eps.append(Episode(traj_id=i, task_id=str(task)))
-    model.eval()
-    while True:
-        active = [i for i, e in enumerate(envs_) if not e.done]
-        if not active:
-            break
-        prompts = [encode(tok, render_prompt(tok, envs_[i].messages())) for i in active]
-        comps = generate(model, tok, prompts, temperature, args.max_new_tokens, greedy=greedy)
-        for k, i in enumerate(active):
-            text = decode_action(tok, comps[k])
-            st = envs_[i].step(text)
-            ep = eps[i]
-            ep.steps.append({"player": "agent", "pos": len(ep.utterances), "prompt": prompts[k],
-                             "completion": comps[k], "invalid": bool(st.info.get("invalid", False))})
-            ep.utterances += [extract_action(text), str(st.observation)]
-            ep.kinds += ["action", "observation"]
-            ep.env_return += float(st.reward)
-            if st.done:
-                ep.success = bool(st.info.get("success", False))
-                ep.share = float(st.info.get("progress", ep.success))
-    for ep in eps:
-        ep.outcome = {"agent": float(ep.success)}
-    return eps
-
-
-def rollout_selfplay(model, tok, make_game, task_ids, args, temperature, greedy=False):
-    """Two-player games in self-play: the policy plays both roles; all games stepped together, one
-    generate per round of messages. Every message is an utterance and a training step of its player.
-    R per player: the win indicator (`--game-reward win`) or the normalised payoff (`payoff`)."""
-    from envs import extract_action
-
-    games, eps = [], []
-    for i, task in enumerate(task_ids):
-        g = make_game()
-        g.reset(task)
-        games.append(g)
-        eps.append(Episode(traj_id=i, task_id=str(task)))
-    cap = 2 * games[0].max_turns_per_player() + 2 if games else 0
-    model.eval()
-    for _ in range(cap):
-        active = [i for i, g in enumerate(games) if not g.done]
-        if not active:
-            break
-        players = [games[i].current_player for i in active]
-        prompts = [encode(tok, render_prompt(tok, games[i].observe(p))) for i, p in zip(active, players)]
-        comps = generate(model, tok, prompts, temperature, args.max_new_tokens, greedy=greedy)
-        for k, i in enumerate(active):
-            text = decode_action(tok, comps[k])
-            st = games[i].step(text)
-            ep = eps[i]
-            ep.steps.append({"player": players[k], "pos": len(ep.utterances), "prompt": prompts[k],
-                             "completion": comps[k], "invalid": bool(st.info.get("invalid", False))})
-            ep.utterances.append(extract_action(text))
-            ep.kinds.append("action")
-    for g, ep in zip(games, eps):
-        pay = g.payoffs()
-        ep.payoffs = {p: float(v) for p, v in pay.items()}
-        ep.success = bool(getattr(g, "deal_round", None) is not None)
-        ep.env_return = float(np.mean(list(pay.values())))
-        a, b = g.players
-        for p in g.players:
-            q = b if p == a else a
-            if args.game_reward == "win":
-                ep.outcome[p] = float(pay[p] > pay[q] + 1e-9)
-            else:
-                prog = g.progress(p) if hasattr(g, "progress") else 0.0
-                ep.outcome[p] = float(min(1.0, max(0.0, prog)))
-    return eps
-
-
-# ----------------------------------------------------------------------------------------------
-# 4. Log-probs and loss
-# ----------------------------------------------------------------------------------------------
-def completion_logprobs(model, tok, prompt_ids, completion_ids, temperature=1.0):
-    """Per-token log-probs of the completions given the prompts, one left-padded forward with the
-    active adapter, under the sampling distribution softmax(logits / temperature) (as verl scores
-    rollouts: at a temperature other than 1 the raw logits would not describe the sampling policy).
-
-    Returns (logp [B, C_max], mask [B, C_max]); completions are right-aligned (row i's tokens are the
-    last len(completion_i) columns; an empty completion is an all-zero row). Only the last C_max + 1
-    positions' logits are computed (`logits_to_keep`), and log p = z[token] - logsumexp(z) with
-    z = logits / temperature (no full log-softmax).
-    """
-    device = next(model.parameters()).device
-    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    seqs = [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids)]
-    L = max(len(s) for s in seqs)
-    C = max(1, max(len(c) for c in completion_ids))
-    input_ids = torch.full((len(seqs), L), pad, dtype=torch.long)
-    attn = torch.zeros((len(seqs), L), dtype=torch.long)
-    cmask = torch.zeros((len(seqs), C), dtype=torch.float32)
-    for i, (s, c) in enumerate(zip(seqs, completion_ids)):
-        input_ids[i, L - len(s):] = torch.tensor(s)
-        attn[i, L - len(s):] = 1
-        if len(c):
-            cmask[i, C - len(c):] = 1.0
-    input_ids, attn, cmask = input_ids.to(device), attn.to(device), cmask.to(device)
-    position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids,
-                   logits_to_keep=C + 1).logits[:, :-1].float()
-    if temperature > 0 and temperature != 1.0:  # temperature <= 0 (greedy sampling) scores the raw logits
-        logits = logits / temperature
-    targets = input_ids[:, L - C:]
-    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-    return logp * cmask, cmask
-
-
-def reinforce_loss(seq_logp, weights, batch_size):
-    """Offline REINFORCE (§3.5): -(1/B) Σ_i Ã_i Σ_tokens log π(a_i|h_i), B = the steps of the batch
-    (steps with weight 0, whose forward is skipped, count in B)."""
-    return -(seq_logp * weights).sum() / float(batch_size)
-
-
-def update(model, tok, optimizer, samples, args, rng):
-    """`num_epochs` passes of offline REINFORCE over the steps (dicts with prompt, completion, weight),
-    shuffled, `batch_size` steps per optimizer step. Zero-weight steps add nothing to the loss: their
-    forward is skipped, and a batch without any weight gives no optimizer step."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    stats = {"loss": [], "loss_first_epoch": [], "grad_norm": [], "logp": [], "steps": 0}
-    model.train()
-    for epoch in range(args.num_epochs):
-        order = rng.permutation(len(samples))
-        for s in range(0, len(order), args.batch_size):
-            batch = [samples[i] for i in order[s:s + args.batch_size]]
-            live = [x for x in batch if x["weight"] != 0.0]
-            if not live:
-                continue
-            optimizer.zero_grad(set_to_none=True)
-            tot = 0.0
-            for m in range(0, len(live), args.micro_batch_size):
-                chunk = live[m:m + args.micro_batch_size]
-                lp, mask = completion_logprobs(model, tok, [x["prompt"] for x in chunk], [x["completion"] for x in chunk],
-                                               temperature=args.temperature)
-                seq = lp.sum(-1)
-                w = torch.tensor([x["weight"] for x in chunk], dtype=seq.dtype, device=seq.device)
-                loss = reinforce_loss(seq, w, len(batch))
-                loss.backward()
-                tot += float(loss.detach())
-                stats["logp"] += seq.detach().cpu().tolist()
-            gn = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-            optimizer.step()
-            stats["steps"] += 1
-            if epoch == args.num_epochs - 1:
-                stats["loss"].append(tot)
-            if epoch == 0:
-                stats["loss_first_epoch"].append(tot)
-            stats["grad_norm"].append(float(gn))
-    model.eval()
-    return {"loss": float(np.mean(stats["loss"])) if stats["loss"] else 0.0,
-            "loss_first_epoch": float(np.mean(stats["loss_first_epoch"])) if stats["loss_first_epoch"] else 0.0,
-            "grad_norm": float(np.mean(stats["grad_norm"])) if stats["grad_norm"] else 0.0,
-            "weighted_seq_logp": float(np.mean(stats["logp"])) if stats["logp"] else 0.0,
-            "optimizer_steps": stats["steps"]}
-
-
-# ----------------------------------------------------------------------------------------------
-# 5. Evaluation, logging and checkpoints
-# ----------------------------------------------------------------------------------------------
 _WORD = re.compile(r"[a-z]+|\d+(?:\.\d+)?|[^\sa-z\d]")
 
 
@@ -650,9 +418,11 @@ def embed_utterances(embedder, episodes, observation_labels):
     return base, np.array(clustered, dtype=np.int64), ep_index, emb, which
 
 
-def credit_for_batch(episodes, embedder, args):
-    """Embed, cluster (one HAC over every clustered utterance instance), aggregate for every k, choose k.
-    Returns per-step raw returns, aggregated rewards, and statistics."""
+def compute_advantages(episodes, embedder, args):
+    """Episodes in, training samples out: embed, cluster (one HAC over every clustered utterance
+    instance), aggregate for every k, choose k. Every step becomes a sample (prompt, completion, its raw
+    return `raw`, its REINFORCE `weight`: the aggregated reward, or the raw return with --no-aggregate,
+    its episode `traj` and its `turn` in the episode); returns (samples, credit statistics)."""
     t0 = time.time()
     base, clustered, ep_index, emb_distinct, which = embed_utterances(embedder, episodes, args.observation_labels)
     t_embed = time.time() - t0
@@ -699,9 +469,229 @@ def credit_for_batch(episodes, embedder, args):
         "perf/embed_seconds": t_embed,
         "perf/cluster_seconds": t_cluster,
     }
-    return returns, agg, stats
+    weights = agg if args.aggregate else returns
+    samples, j = [], 0
+    for ep in episodes:
+        for turn, s in enumerate(ep.steps):
+            samples.append({"prompt": s["prompt"], "completion": s["completion"], "raw": float(returns[j]),
+                            "weight": float(weights[j]), "traj": ep.traj_id, "turn": turn})
+            j += 1
+    return samples, stats
 
 
+
+# ----------------------------------------------------------------------------------------------
+# 3. Rollout
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class Episode:
+    """One game: its utterances in order and its training steps (one per action of a learning player)."""
+
+    traj_id: int
+    task_id: str
+    utterances: list = field(default_factory=list)  # texts in game order (single agent: a_1, o_1, a_2, ...)
+    kinds: list = field(default_factory=list)  # "action" / "observation" per utterance
+    steps: list = field(default_factory=list)  # dicts: player, pos, prompt, completion, invalid
+    outcome: dict = field(default_factory=dict)  # player -> R in [0, 1]
+    success: bool = False  # single agent: solved; two-player: a deal was made
+    env_return: float = 0.0  # single agent: env reward; two-player: mean payoff
+    payoffs: dict = field(default_factory=dict)
+    share: float = 0.0  # vs a scripted opponent: the learner's final deal position in [0, 1] (0: no deal)
+
+    @property
+    def length(self) -> int:
+        return len(self.steps)
+
+
+def render_prompt(tok, messages) -> str:
+    """The sampling-time prompt: the chat template with the generation prompt, as text. Thinking off:
+    a template that reads `enable_thinking` (Qwen3) opens the answer with an empty think block instead of
+    spending the token budget on thoughts; templates without the variable ignore it."""
+    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+
+
+def encode(tok, text: str) -> list:
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def decode_action(tok, completion) -> str:
+    return tok.decode(completion, skip_special_tokens=True)
+
+
+@torch.no_grad()
+def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False):
+    """One batched generate (left padding, top_k=0, top_p=1, stop at EOS); temperature <= 0 is greedy.
+    Returns completion id lists: each row up to and including its first EOS, or all `max_new_tokens`
+    tokens when it has none (every one of them was sampled, even one that happens to be the pad id)."""
+    if not prompt_ids:
+        return []
+    device = next(model.parameters()).device
+    pad = tok.pad_token_id
+    L = max(len(p) for p in prompt_ids)
+    input_ids = torch.full((len(prompt_ids), L), pad, dtype=torch.long)
+    attn = torch.zeros((len(prompt_ids), L), dtype=torch.long)
+    for i, p in enumerate(prompt_ids):
+        input_ids[i, L - len(p):] = torch.tensor(p)
+        attn[i, L - len(p):] = 1
+    sample = not greedy and temperature > 0
+    kw = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if sample else dict(do_sample=False)
+    out = model.generate(input_ids=input_ids.to(device), attention_mask=attn.to(device), max_new_tokens=max_new_tokens,
+                         pad_token_id=pad, eos_token_id=tok.eos_token_id, **kw)
+    comps = []
+    for row in out[:, L:].tolist():
+        if tok.eos_token_id in row:
+            row = row[: row.index(tok.eos_token_id) + 1]
+        comps.append(row)
+    return comps
+
+
+def rollout(model, tok, new_env, task_ids, args, temperature, greedy=False, selfplay=False):
+    """Games of a batch of tasks, all envs stepped together (one generate per turn or round of messages).
+
+    Single agent (`selfplay` False: an env against its oracle, or a two-player game against a scripted
+    opponent through `envs.vs_opponent`): the utterances are the parsed action and the observation of
+    every turn; R = 1 if solved, else 0. Self-play (`selfplay` True: a two-player game, the policy plays
+    both roles): every message is an utterance and a training step of its player; R per player is the win
+    indicator (`--game-reward win`) or the normalised payoff (`payoff`)."""
+    from envs import extract_action
+
+    envs_, episodes = [], []
+    for i, task in enumerate(task_ids):
+        env = new_env()
+        env.reset(task)
+        envs_.append(env)
+        episodes.append(Episode(traj_id=i, task_id=str(task)))
+    rounds = range(2 * envs_[0].max_turns_per_player() + 2 if envs_ else 0) if selfplay else itertools.count()
+    model.eval()
+    for _ in rounds:
+        active = [i for i, e in enumerate(envs_) if not e.done]
+        if not active:
+            break
+        players = [envs_[i].current_player if selfplay else "agent" for i in active]
+        prompts = [encode(tok, render_prompt(tok, envs_[i].observe(p) if selfplay else envs_[i].messages()))
+                   for i, p in zip(active, players)]
+        comps = generate(model, tok, prompts, temperature, args.max_new_tokens, greedy=greedy)
+        for k, i in enumerate(active):
+            text = decode_action(tok, comps[k])
+            st = envs_[i].step(text)
+            ep = episodes[i]
+            ep.steps.append({"player": players[k], "pos": len(ep.utterances), "prompt": prompts[k],
+                             "completion": comps[k], "invalid": bool(st.info.get("invalid", False))})
+            ep.utterances.append(extract_action(text))
+            ep.kinds.append("action")
+            if not selfplay:
+                ep.utterances.append(str(st.observation))
+                ep.kinds.append("observation")
+                ep.env_return += float(st.reward)
+                if st.done:
+                    ep.success = bool(st.info.get("success", False))
+                    ep.share = float(st.info.get("progress", ep.success))
+    for env, ep in zip(envs_, episodes):
+        if not selfplay:
+            ep.outcome = {"agent": float(ep.success)}
+            continue
+        pay = env.payoffs()
+        ep.payoffs = {p: float(v) for p, v in pay.items()}
+        ep.success = env.deal_round is not None
+        ep.env_return = float(np.mean(list(pay.values())))
+        a, b = env.players
+        for p in env.players:
+            q = b if p == a else a
+            if args.game_reward == "win":
+                ep.outcome[p] = float(pay[p] > pay[q] + 1e-9)
+            else:
+                ep.outcome[p] = float(min(1.0, max(0.0, env.progress(p))))
+    return episodes
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. Log-probs and loss
+# ----------------------------------------------------------------------------------------------
+def completion_logprobs(model, tok, prompt_ids, completion_ids, temperature=1.0):
+    """Per-token log-probs of the completions given the prompts, one left-padded forward with the
+    active adapter, under the sampling distribution softmax(logits / temperature) (as verl scores
+    rollouts: at a temperature other than 1 the raw logits would not describe the sampling policy).
+
+    Returns (logp [B, C_max], mask [B, C_max]); completions are right-aligned (row i's tokens are the
+    last len(completion_i) columns; an empty completion is an all-zero row). Only the last C_max + 1
+    positions' logits are computed (`logits_to_keep`), and log p = z[token] - logsumexp(z) with
+    z = logits / temperature (no full log-softmax).
+    """
+    device = next(model.parameters()).device
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    seqs = [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids)]
+    L = max(len(s) for s in seqs)
+    C = max(1, max(len(c) for c in completion_ids))
+    input_ids = torch.full((len(seqs), L), pad, dtype=torch.long)
+    attn = torch.zeros((len(seqs), L), dtype=torch.long)
+    cmask = torch.zeros((len(seqs), C), dtype=torch.float32)
+    for i, (s, c) in enumerate(zip(seqs, completion_ids)):
+        input_ids[i, L - len(s):] = torch.tensor(s)
+        attn[i, L - len(s):] = 1
+        if len(c):
+            cmask[i, C - len(c):] = 1.0
+    input_ids, attn, cmask = input_ids.to(device), attn.to(device), cmask.to(device)
+    position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids,
+                   logits_to_keep=C + 1).logits[:, :-1].float()
+    if temperature > 0 and temperature != 1.0:  # temperature <= 0 (greedy sampling) scores the raw logits
+        logits = logits / temperature
+    targets = input_ids[:, L - C:]
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    return logp * cmask, cmask
+
+
+def reinforce_loss(seq_logp, weights, batch_size):
+    """Offline REINFORCE (§3.5): -(1/B) Σ_i Ã_i Σ_tokens log π(a_i|h_i), B = the steps of the batch
+    (steps with weight 0, whose forward is skipped, count in B)."""
+    return -(seq_logp * weights).sum() / float(batch_size)
+
+
+def update(model, tok, optimizer, samples, args, rng):
+    """`num_epochs` passes of offline REINFORCE over the steps (dicts with prompt, completion, weight),
+    shuffled, `batch_size` steps per optimizer step. Zero-weight steps add nothing to the loss: their
+    forward is skipped, and a batch without any weight gives no optimizer step."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    stats = {"loss": [], "loss_first_epoch": [], "grad_norm": [], "logp": [], "steps": 0}
+    model.train()
+    for epoch in range(args.num_epochs):
+        order = rng.permutation(len(samples))
+        for s in range(0, len(order), args.batch_size):
+            batch = [samples[i] for i in order[s:s + args.batch_size]]
+            live = [x for x in batch if x["weight"] != 0.0]
+            if not live:
+                continue
+            optimizer.zero_grad(set_to_none=True)
+            tot = 0.0
+            for m in range(0, len(live), args.micro_batch_size):
+                chunk = live[m:m + args.micro_batch_size]
+                lp, mask = completion_logprobs(model, tok, [x["prompt"] for x in chunk], [x["completion"] for x in chunk],
+                                               temperature=args.temperature)
+                seq = lp.sum(-1)
+                w = torch.tensor([x["weight"] for x in chunk], dtype=seq.dtype, device=seq.device)
+                loss = reinforce_loss(seq, w, len(batch))
+                loss.backward()
+                tot += float(loss.detach())
+                stats["logp"] += seq.detach().cpu().tolist()
+            gn = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+            optimizer.step()
+            stats["steps"] += 1
+            if epoch == args.num_epochs - 1:
+                stats["loss"].append(tot)
+            if epoch == 0:
+                stats["loss_first_epoch"].append(tot)
+            stats["grad_norm"].append(float(gn))
+    model.eval()
+    return {"loss": float(np.mean(stats["loss"])) if stats["loss"] else 0.0,
+            "loss_first_epoch": float(np.mean(stats["loss_first_epoch"])) if stats["loss_first_epoch"] else 0.0,
+            "grad_norm": float(np.mean(stats["grad_norm"])) if stats["grad_norm"] else 0.0,
+            "weighted_seq_logp": float(np.mean(stats["logp"])) if stats["logp"] else 0.0,
+            "optimizer_steps": stats["steps"]}
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. Evaluation, logging and checkpoints
+# ----------------------------------------------------------------------------------------------
 def episode_record(ep, tag, weights=None):
     rec = {"tag": tag, "task": ep.task_id, "outcome": ep.outcome, "success": ep.success}
     if ep.payoffs:
@@ -718,50 +708,48 @@ def episode_record(ep, tag, weights=None):
     return rec
 
 
-def evaluate(model, tok, spec, tasks, args):
+def evaluate(model, tok, new_env, probe, tasks, args, two_player):
     """Single agent: success over `eval_k` sampled games per test task and one greedy game per task.
     Two-player: the policy plays each role against each scripted style (`envs.vs_opponent`); the win
     rate per role and style, sampled (`eval_k` games per task) and greedy."""
     import envs
 
     out, records = {}, []
-    if not spec["two_player"]:
+    if not two_player:
         tasks_k = [t for t in tasks for _ in range(args.eval_k)]
-        eps = rollout_single(model, tok, spec["make"], tasks_k, args, args.eval_temperature)
-        out["eval/success"], out["eval/success_se"] = mean_se([ep.success for ep in eps])
-        out["eval/return"] = float(np.mean([ep.env_return for ep in eps]))
-        out["eval/episode_length"] = float(np.mean([ep.length for ep in eps]))
-        out["eval/invalid_frac"] = float(np.mean([s["invalid"] for ep in eps for s in ep.steps]))
-        records += [episode_record(ep, "eval/sampled") for ep in eps[: args.num_logged_episodes]]
-        greedy = rollout_single(model, tok, spec["make"], tasks, args, 1.0, greedy=True)
+        episodes = rollout(model, tok, new_env, tasks_k, args, args.eval_temperature)
+        out["eval/success"], out["eval/success_se"] = mean_se([ep.success for ep in episodes])
+        out["eval/return"] = float(np.mean([ep.env_return for ep in episodes]))
+        out["eval/episode_length"] = float(np.mean([ep.length for ep in episodes]))
+        out["eval/invalid_frac"] = float(np.mean([s["invalid"] for ep in episodes for s in ep.steps]))
+        records += [episode_record(ep, "eval/sampled") for ep in episodes[: args.num_logged_episodes]]
+        greedy = rollout(model, tok, new_env, tasks, args, 1.0, greedy=True)
         out["eval/success_greedy"] = float(np.mean([ep.success for ep in greedy]))
         return out, records
-    probe = spec["probe"]
     styles = list(args.eval_opponents) or list(probe.opponent_styles())
-    kw = spec["env_kwargs"]
     sampled, greedy, rets, lens, inval, shares, wins = [], [], [], [], [], [], []
     for role in probe.players:
         for style in styles:
             def make(role=role, style=style):
-                return envs.vs_opponent(envs.make(spec["env_id"], **kw), f"rule:{style}", learner=role)
+                return envs.vs_opponent(new_env(), f"rule:{style}", learner=role)
 
             tasks_k = [t for t in tasks for _ in range(args.eval_k)]
-            eps = rollout_single(model, tok, make, tasks_k, args, args.eval_temperature)
-            g = rollout_single(model, tok, make, tasks, args, 1.0, greedy=True)
-            wr, wr_g = float(np.mean([ep.success for ep in eps])), float(np.mean([ep.success for ep in g]))
+            episodes = rollout(model, tok, make, tasks_k, args, args.eval_temperature)
+            g = rollout(model, tok, make, tasks, args, 1.0, greedy=True)
+            wr, wr_g = float(np.mean([ep.success for ep in episodes])), float(np.mean([ep.success for ep in g]))
             out[f"eval/win_rate_{role}_vs_{style}"] = wr
             out[f"eval/win_rate_greedy_{role}_vs_{style}"] = wr_g
-            out[f"eval/payoff_share_{role}_vs_{style}"] = float(np.mean([ep.share for ep in eps]))
-            shares += [ep.share for ep in eps]
-            wins += [ep.success for ep in eps]
+            out[f"eval/payoff_share_{role}_vs_{style}"] = float(np.mean([ep.share for ep in episodes]))
+            shares += [ep.share for ep in episodes]
+            wins += [ep.success for ep in episodes]
             sampled.append(wr)
             greedy.append(wr_g)
-            rets += [ep.env_return for ep in eps]
-            lens += [ep.length for ep in eps]
-            inval += [s["invalid"] for ep in eps for s in ep.steps]
+            rets += [ep.env_return for ep in episodes]
+            lens += [ep.length for ep in episodes]
+            inval += [s["invalid"] for ep in episodes for s in ep.steps]
             if style == styles[0]:
                 records += [dict(episode_record(ep, f"eval/{role}_vs_{style}"), role=role)
-                            for ep in eps[: max(1, args.num_logged_episodes // 2)]]
+                            for ep in episodes[: max(1, args.num_logged_episodes // 2)]]
         out[f"eval/win_rate_{role}"] = float(np.mean([out[f"eval/win_rate_{role}_vs_{s}"] for s in styles]))
     out["eval/success"] = out["eval/win_rate"] = float(np.mean(sampled))
     out["eval/success_se"] = out["eval/win_rate_se"] = mean_se(wins)[1]
@@ -773,6 +761,38 @@ def evaluate(model, tok, spec, tasks, args):
     out["eval/episode_length"] = float(np.mean(lens))
     out["eval/invalid_frac"] = float(np.mean(inval)) if inval else 0.0
     return out, records
+
+
+def iteration_row(episodes, samples, ustats, cstats, t_roll, t_upd, players=()):
+    """The metrics of one training iteration (`players`: the roles of a self-play game, for their win rates)."""
+    n_tok = sum(len(s["completion"]) for s in samples)
+    w = np.array([s["weight"] for s in samples]) if samples else np.zeros(0)
+    row = {
+        "charts/success": float(np.mean([ep.success for ep in episodes])),
+        "charts/return": float(np.mean([ep.env_return for ep in episodes])),
+        "charts/outcome": float(np.mean([r for ep in episodes for r in ep.outcome.values()])),
+        "charts/episode_length": float(np.mean([ep.length for ep in episodes])),
+        "charts/invalid_rate": float(np.mean([s["invalid"] for ep in episodes for s in ep.steps])) if samples else 0.0,
+        "losses/policy_loss": ustats["loss"],
+        "losses/policy_loss_first_epoch": ustats["loss_first_epoch"],
+        "losses/grad_norm": ustats["grad_norm"],
+        "losses/weighted_seq_logp": ustats["weighted_seq_logp"],
+        "losses/optimizer_steps": ustats["optimizer_steps"],
+        "credit/weight_mean": float(w.mean()) if len(w) else 0.0,
+        "credit/weight_nonzero_frac": float((w != 0).mean()) if len(w) else 0.0,
+        **cstats,
+        "perf/rollout_seconds": t_roll,
+        "perf/update_seconds": t_upd,
+        "perf/tokens_per_second": n_tok / max(t_roll, 1e-9),
+        "perf/samples": len(samples),
+    }
+    for p in players:
+        row[f"charts/selfplay_win_rate_{p}"] = float(np.mean([
+            ep.payoffs.get(p, 0.0) > max([v for q, v in ep.payoffs.items() if q != p] or [0.0]) + 1e-9
+            for ep in episodes]))
+    if torch.cuda.is_available():
+        row["perf/peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    return row
 
 
 def base_fingerprint(model) -> str:
@@ -850,8 +870,9 @@ def save_adapter(model, run_dir: Path):
 # ----------------------------------------------------------------------------------------------
 # 6. Main loop
 # ----------------------------------------------------------------------------------------------
-def make_env_spec(env_id, env_kwargs, max_turns):
-    """What the loop needs about the env: a factory, a probe instance, whether it is a two-player game."""
+def make_env(env_id, env_kwargs, max_turns):
+    """A function that builds the env (user errors -> UserError) and one probe instance; a two-player
+    game is built whole (self-play), a single-agent env with `max_turns` when it is given."""
     import envs
     from common.models import UserError
 
@@ -872,15 +893,12 @@ def make_env_spec(env_id, env_kwargs, max_turns):
         probe.reset(probe.task_ids("train")[0])
     except (ValueError, TypeError) as e:
         raise UserError(f"env {env_id!r}: {e}") from None
-    return {"env_id": env_id, "make": make, "probe": probe, "two_player": two_player, "env_kwargs": kw}
+    return make, probe
 
 
-def main(args: Args):
-    from common.models import UserError, load_policy, policy_defaults
+def check_args(args):
+    from common.models import UserError
 
-    t_start = time.time()
-    if args.torch_threads > 0:
-        torch.set_num_threads(args.torch_threads)
     if args.num_iterations < 0 or args.games_per_iteration < 1 or args.num_epochs < 1 or args.eval_k < 1:
         raise UserError("--num-iterations must be >= 0; --games-per-iteration, --num-epochs and --eval-k >= 1")
     if not 0.0 < args.gamma <= 1.0:
@@ -889,6 +907,16 @@ def main(args: Args):
         raise UserError("--max-k must be >= 2, --split-tau >= 0 and --split-eps > 0")
     if args.micro_batch_size < 1 or (args.batch_size is not None and args.batch_size < 1):
         raise UserError("--batch-size and --micro-batch-size must be >= 1")
+
+
+def main(args: Args):
+    import envs
+    from common.models import UserError, load_policy, policy_defaults
+
+    t_start = time.time()
+    if args.torch_threads > 0:
+        torch.set_num_threads(args.torch_threads)
+    check_args(args)
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -899,17 +927,17 @@ def main(args: Args):
     env_kwargs = dict(defaults.env_kwargs)
     if args.history is not None:
         env_kwargs["history"] = args.history
-    spec = make_env_spec(args.env_id, env_kwargs, args.max_turns)
-    eval_metric = "eval/payoff_share" if spec["two_player"] else "eval/success"
-    probe = spec["probe"]
-    if spec["two_player"]:
+    new_env, probe = make_env(args.env_id, env_kwargs, args.max_turns)
+    two_player = args.env_id in envs.TWO_PLAYER
+    eval_metric = "eval/payoff_share" if two_player else "eval/success"
+    if two_player:
         bad = [s for s in args.eval_opponents if s not in probe.opponent_styles()]
         if bad:
             raise UserError(f"--eval-opponents: unknown style(s) {bad}; known: {', '.join(probe.opponent_styles())}")
     if args.observation_labels == "auto":
         args.observation_labels = "exact" if args.env_id == "twenty_questions" else "cluster"
     if args.batch_size is None:
-        args.batch_size = 32 if spec["two_player"] else 16
+        args.batch_size = 32 if two_player else 16
     if args.max_new_tokens is None:
         args.max_new_tokens = defaults.max_new_tokens
     lr = args.learning_rate if args.learning_rate is not None else defaults.learning_rate
@@ -931,13 +959,12 @@ def main(args: Args):
     run_dir.mkdir(parents=True, exist_ok=True)
     print(f"run dir: {run_dir}")
     (run_dir / "config.json").write_text(json.dumps({**asdict(args), "resolved_learning_rate": lr,
-                                                     "env_kwargs": env_kwargs,
-                                                     "two_player": spec["two_player"]}, indent=2))
+                                                     "env_kwargs": env_kwargs, "two_player": two_player}, indent=2))
     logger = Logger(run_dir, args.track)
 
     def run_eval(it):
         t0 = time.time()
-        row, records = evaluate(model, tok, spec, test_tasks, args)
+        row, records = evaluate(model, tok, new_env, probe, test_tasks, args, two_player)
         row["perf/eval_seconds"] = time.time() - t0
         logger.log_samples(it, records)
         return row
@@ -952,60 +979,18 @@ def main(args: Args):
         t0 = time.time()
         tasks = [train_tasks[i] for i in rng.choice(len(train_tasks), size=args.games_per_iteration,
                                                     replace=len(train_tasks) < args.games_per_iteration)]
-        if spec["two_player"]:
-            eps = rollout_selfplay(model, tok, spec["make"], tasks, args, args.temperature)
-        else:
-            eps = rollout_single(model, tok, spec["make"], tasks, args, args.temperature)
+        episodes = rollout(model, tok, new_env, tasks, args, args.temperature, selfplay=two_player)
         t_roll = time.time() - t0
-
         # credit: raw discounted returns, and their aggregation in the intention space (always logged)
-        raw, agg, cstats = credit_for_batch(eps, embedder, args)
-        weights = agg if args.aggregate else raw
-        samples, j = [], 0
-        per_ep = []
-        for ep in eps:
-            w_ep = []
-            for s in ep.steps:
-                samples.append({"prompt": s["prompt"], "completion": s["completion"], "weight": float(weights[j]),
-                                "traj": ep.traj_id, "turn": len(w_ep)})
-                w_ep.append((round(float(raw[j]), 4), round(float(weights[j]), 4)))
-                j += 1
-            per_ep.append(w_ep)
-
+        samples, cstats = compute_advantages(episodes, embedder, args)
         t2 = time.time()
         ustats = update(model, tok, optimizer, samples, args, rng)
         t_upd = time.time() - t2
 
-        n_tok = sum(len(s["completion"]) for s in samples)
-        w = np.array([s["weight"] for s in samples]) if samples else np.zeros(0)
-        row = {
-            "charts/success": float(np.mean([ep.success for ep in eps])),
-            "charts/return": float(np.mean([ep.env_return for ep in eps])),
-            "charts/outcome": float(np.mean([r for ep in eps for r in ep.outcome.values()])),
-            "charts/episode_length": float(np.mean([ep.length for ep in eps])),
-            "charts/invalid_rate": float(np.mean([s["invalid"] for ep in eps for s in ep.steps])) if samples else 0.0,
-            "losses/policy_loss": ustats["loss"],
-            "losses/policy_loss_first_epoch": ustats["loss_first_epoch"],
-            "losses/grad_norm": ustats["grad_norm"],
-            "losses/weighted_seq_logp": ustats["weighted_seq_logp"],
-            "losses/optimizer_steps": ustats["optimizer_steps"],
-            "credit/weight_mean": float(w.mean()) if len(w) else 0.0,
-            "credit/weight_nonzero_frac": float((w != 0).mean()) if len(w) else 0.0,
-            **cstats,
-            "perf/rollout_seconds": t_roll,
-            "perf/update_seconds": t_upd,
-            "perf/tokens_per_second": n_tok / max(t_roll, 1e-9),
-            "perf/samples": len(samples),
-        }
-        if spec["two_player"]:
-            for p in probe.players:
-                row[f"charts/selfplay_win_rate_{p}"] = float(np.mean([
-                    ep.payoffs.get(p, 0.0) > max([v for q, v in ep.payoffs.items() if q != p] or [0.0]) + 1e-9
-                    for ep in eps]))
-        if torch.cuda.is_available():
-            row["perf/peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
-        logger.log_samples(it, [episode_record(ep, "train", per_ep[i]) for i, ep in
-                                enumerate(eps[: args.num_logged_episodes])])
+        row = iteration_row(episodes, samples, ustats, cstats, t_roll, t_upd, probe.players if two_player else ())
+        logger.log_samples(it, [episode_record(ep, "train", [(round(s["raw"], 4), round(s["weight"], 4))
+                                                             for s in samples if s["traj"] == ep.traj_id])
+                                for ep in episodes[: args.num_logged_episodes]])
         if args.eval_every and (it % args.eval_every == 0 or it == args.num_iterations):
             last_eval = run_eval(it)
             row.update(last_eval)

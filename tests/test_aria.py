@@ -126,7 +126,7 @@ def test_hac_labels_duplicates_and_tiny_inputs():
 
 
 # ---------------------------------------------------------------------------------------------
-# the pipeline: aria_credit and credit_for_batch
+# the pipeline: aria_credit and compute_advantages
 # ---------------------------------------------------------------------------------------------
 def test_aria_credit_by_hand():
     # two games of two turns: utterances a1 o1 a2 o2; game 0 won (R=1), game 1 lost; gamma 0.5
@@ -163,7 +163,16 @@ def _args(**kw):
     return a
 
 
-def test_credit_for_batch_variance_before_and_after():
+def _step(player, pos):
+    return {"player": player, "pos": pos, "invalid": False, "prompt": [1], "completion": [2]}
+
+
+def _raw_and_weights(episodes, args):
+    samples, st = aria.compute_advantages(episodes, aria.Embedder("hash"), args)
+    return [s["raw"] for s in samples], [s["weight"] for s in samples], st
+
+
+def test_compute_advantages_variance_before_and_after():
     # The same two questions in both games; game 0 wins on the guess, game 1 does not.
     # gamma 0.95 -> raw returns [0.95, 1.0, 0.0, 0.0].
     # Two distinct action texts -> K = 2, one cut; keys are equal across the games:
@@ -174,12 +183,12 @@ def test_credit_for_batch_variance_before_and_after():
         ep = aria.Episode(traj_id=i, task_id="cat")
         ep.utterances = ["Is it an animal?", "Yes", "Is it a cat?", last]
         ep.kinds = ["action", "observation"] * 2
-        ep.steps = [{"player": "agent", "pos": 0, "invalid": False}, {"player": "agent", "pos": 2, "invalid": False}]
+        ep.steps = [_step("agent", 0), _step("agent", 2)]
         ep.outcome = {"agent": float(won)}
         return ep
 
-    eps = [game(0, "Finished", True), game(1, "No", False)]
-    raw, agg, st = aria.credit_for_batch(eps, aria.Embedder("hash"), _args(gamma=0.95))
+    episodes = [game(0, "Finished", True), game(1, "No", False)]
+    raw, agg, st = _raw_and_weights(episodes, _args(gamma=0.95))
     np.testing.assert_allclose(raw, [0.95, 1.0, 0.0, 0.0])
     np.testing.assert_allclose(agg, [0.475, 0.5, 0.475, 0.5])
     assert st["credit/reward_var_raw"] == pytest.approx(0.23796875)
@@ -188,15 +197,14 @@ def test_credit_for_batch_variance_before_and_after():
     assert st["credit/num_intentions"] == 2 and st["credit/num_steps"] == 4
 
 
-def test_credit_for_batch_two_players_discount_per_player():
+def test_compute_advantages_two_players_discount_per_player():
     # Alice, Bob, Alice; Alice won (R=1), Bob lost. Alice's 2 turns: [0.9, 1.0]; Bob's 1 turn: [0.0]
     ep = aria.Episode(traj_id=0, task_id="t")
     ep.utterances = ["propose 60", "propose 55", "accept"]
     ep.kinds = ["action"] * 3
-    ep.steps = [{"player": "Alice", "pos": 0, "invalid": False}, {"player": "Bob", "pos": 1, "invalid": False},
-                {"player": "Alice", "pos": 2, "invalid": False}]
+    ep.steps = [_step("Alice", 0), _step("Bob", 1), _step("Alice", 2)]
     ep.outcome = {"Alice": 1.0, "Bob": 0.0}
-    raw, agg, st = aria.credit_for_batch([ep], aria.Embedder("hash"), _args(gamma=0.9, observation_labels="cluster"))
+    raw, agg, st = _raw_and_weights([ep], _args(gamma=0.9, observation_labels="cluster"))
     np.testing.assert_allclose(raw, [0.9, 0.0, 1.0])
     np.testing.assert_allclose(agg, raw)  # one game: every key is unique (role + prefix)
 
