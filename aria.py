@@ -68,7 +68,6 @@ Example
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import math
@@ -795,17 +794,6 @@ def iteration_row(episodes, samples, ustats, cstats, t_roll, t_upd, players=()):
     return row
 
 
-def base_fingerprint(model) -> str:
-    """sha256 over every non-LoRA parameter's bytes (must not change during training)."""
-    h = hashlib.sha256()
-    for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-        if "lora_" in name:
-            continue
-        h.update(name.encode())
-        h.update(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
 def mean_se(values) -> tuple[float, float]:
     """Mean and standard error (sample std / sqrt(n); 0 for fewer than two values) of per-episode values.
     For success flags this is the success rate p and about sqrt(p (1 - p) / n)."""
@@ -951,7 +939,6 @@ def main(args: Args):
                              load_in_4bit=args.load_in_4bit, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
                              lora_dropout=args.lora_dropout, activation_checkpointing=args.activation_checkpointing)
     embedder.model, embedder.tok = model, tok  # used by --embedder policy
-    fingerprint0 = base_fingerprint(model)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.Adam(params, lr=lr)
 
@@ -1010,7 +997,6 @@ def main(args: Args):
         "wall_seconds": time.time() - t_start,
         "first_eval": first_eval,
         "last_eval": last_eval,
-        "base_unchanged": base_fingerprint(model) == fingerprint0,
         "learning": learning_summary(first_eval, last_eval, eval_metric),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

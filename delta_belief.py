@@ -49,7 +49,6 @@ Example
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import math
 import os
@@ -683,17 +682,6 @@ def evaluate(model, tok, new_env, tasks, args, max_turns, prefix, belief_message
     return out, records
 
 
-def base_fingerprint(model) -> str:
-    """sha256 over every non-LoRA parameter's bytes (must not change during training)."""
-    h = hashlib.sha256()
-    for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-        if "lora_" in name:
-            continue
-        h.update(name.encode())
-        h.update(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
 def mean_se(values) -> tuple[float, float]:
     """Mean and standard error (sample std / sqrt(n); 0 for fewer than two values) of per-episode values.
     For success flags this is the success rate p and about sqrt(p (1 - p) / n)."""
@@ -832,7 +820,6 @@ def main(args: Args):
     model, tok = load_policy(args.model_name, env_id=args.env_id, tiny_preset=args.tiny_preset,
                              load_in_4bit=args.load_in_4bit, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
                              lora_dropout=args.lora_dropout, activation_checkpointing=args.activation_checkpointing)
-    fingerprint0 = base_fingerprint(model)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, betas=tuple(args.adam_betas), weight_decay=args.weight_decay)
 
@@ -932,7 +919,6 @@ def main(args: Args):
         "wall_seconds": time.time() - t_start,
         "first_eval": first_eval,
         "last_eval": last_eval,
-        "base_unchanged": base_fingerprint(model) == fingerprint0,
         "learning": learning_summary(first_eval, last_eval, "eval/success"),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

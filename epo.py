@@ -49,7 +49,6 @@ Example
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import math
 import random
@@ -840,17 +839,6 @@ def evaluate(model, tok, make_game, tasks, players, styles, args):
     return row, records
 
 
-def base_fingerprint(model) -> str:
-    """sha256 over every non-LoRA parameter's bytes (must not change during training)."""
-    h = hashlib.sha256()
-    for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-        if "lora_" in name:
-            continue
-        h.update(name.encode())
-        h.update(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
 def mean_se(values) -> tuple[float, float]:
     """Mean and standard error (sample std / sqrt(n); 0 for fewer than two values) of per-episode values.
     For success flags this is the success rate p and about sqrt(p (1 - p) / n)."""
@@ -994,7 +982,6 @@ def main(args: Args):
                              load_in_4bit=args.load_in_4bit, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
                              lora_dropout=args.lora_dropout, activation_checkpointing=args.activation_checkpointing,
                              tiny_overrides=overrides if args.model_name == "tiny" else None)
-    fingerprint0 = base_fingerprint(model)
 
     def make_game(task, seats):
         return make_game_(task, seats, not is_tiny)
@@ -1102,12 +1089,10 @@ def main(args: Args):
         "first_eval": first_eval,
         "last_eval": last_eval,
         "eval_history": history,
-        "base_unchanged": base_fingerprint(model) == fingerprint0,
         "learning": learning_summary(first_eval, last_eval, "eval/goal_score"),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    print("summary: " + json.dumps({k: v for k, v in summary.items() if k in ("run_dir", "iterations", "wall_seconds",
-                                                                            "base_unchanged")}))
+    print("summary: " + json.dumps({k: v for k, v in summary.items() if k in ("run_dir", "iterations", "wall_seconds")}))
     for name, ev in (("first", first_eval), ("last", last_eval)):
         print(f"{name} eval: " + ", ".join(f"{k}={v:.3f}" for k, v in ev.items() if "/vs_" not in k))
     print_learning(summary["learning"])

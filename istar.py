@@ -62,7 +62,6 @@ Example
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import random
@@ -646,17 +645,6 @@ def evaluate(model, tok, new_env, tasks, args, max_new_tokens):
     return out, records
 
 
-def base_fingerprint(model) -> str:
-    """sha256 over every non-LoRA parameter's bytes (must not change during training)."""
-    h = hashlib.sha256()
-    for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-        if "lora_" in name:
-            continue
-        h.update(name.encode())
-        h.update(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
 def adapter_params(model, adapter):
     """The LoRA parameters of one named adapter (by name, independent of which adapter is active)."""
     return [p for n, p in model.named_parameters() if "lora_" in n and f".{adapter}." in n]
@@ -805,7 +793,6 @@ def main(args: Args):
                              lora_dropout=args.lora_dropout, activation_checkpointing=args.activation_checkpointing)
     add_adapter(model, "prm", lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout)
     model.set_adapter("default")
-    fingerprint0 = base_fingerprint(model)
     pol_params, prm_params = adapter_params(model, "default"), adapter_params(model, "prm")
     if not pol_params or not prm_params:
         raise RuntimeError("could not find the LoRA parameters of the policy and PRM adapters")
@@ -925,7 +912,6 @@ def main(args: Args):
         "wall_seconds": time.time() - t_start,
         "first_eval": first_eval,
         "last_eval": last_eval,
-        "base_unchanged": base_fingerprint(model) == fingerprint0,
         "learning": learning_summary(first_eval, last_eval, "eval/success"),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

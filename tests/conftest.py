@@ -82,15 +82,28 @@ def adapter_tensors(run_dir: Path, adapter_name: str = "default") -> dict:
 
 def assert_adapter_trained(run_dir: Path, adapter_name: str = "default") -> None:
     """The saved adapter holds only LoRA tensors, and training moved it: LoRA B starts at exactly zero,
-    so a non-zero B proves an optimizer step reached it. The run's summary must report that the base
-    weights' fingerprint did not change."""
+    so a non-zero B proves an optimizer step reached it. (That an update leaves the base weights alone is
+    checked in process, with `base_fingerprint`, by tests/test_update_direction.py.)"""
     tensors = adapter_tensors(run_dir, adapter_name)
     assert tensors, "adapter file is empty"
     assert all("lora_" in k for k in tensors), f"non-LoRA tensors saved: {[k for k in tensors if 'lora_' not in k][:5]}"
     b = [t for k, t in tensors.items() if "lora_B" in k]
     assert b and any(float(t.abs().max()) > 0 for t in b), "every LoRA B is still zero: the adapter was not trained"
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary.get("base_unchanged") is True, f"summary.json base_unchanged = {summary.get('base_unchanged')!r}"
+
+
+def base_fingerprint(model) -> str:
+    """sha256 over every non-LoRA parameter's bytes (training must not change it)."""
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256()
+    for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        if "lora_" in name:
+            continue
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 @pytest.fixture(scope="session")

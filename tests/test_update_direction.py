@@ -1,7 +1,8 @@
 """Every method's own update moves the policy the way its advantages say: on a fixed batch, one update
 with positive advantages (weights) raises the log-probs of the batch's completions and one with negative
-advantages lowers them. A sign error, a detached loss, a wrong mask or an optimizer that never steps
-fails here in seconds; learning curves are measured by the benchmarks, not asserted."""
+advantages lowers them, and the base weights stay as they were (only LoRA trains). A sign error, a
+detached loss, a wrong mask or an optimizer that never steps fails here in seconds; learning curves are
+measured by the benchmarks, not asserted."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from common.models import load_policy
+from conftest import base_fingerprint
 
 TEXTS = ["push the box up", "is it an animal?", "left right up down", "go to the target", "propose 60",
          "accept", "is it a tool?", "move down"]
@@ -78,9 +80,10 @@ def test_update_moves_logprobs_with_the_advantage_sign(random_llama_dir, name, s
     torch.manual_seed(0)
     model, tok = load_policy(str(random_llama_dir), load_in_4bit=False, lora_r=4, lora_alpha=8)
     prompts, comps = _batch(mod, tok)
-    before = _mean_logp(mod, model, tok, prompts, comps)
+    before, base = _mean_logp(mod, model, tok, prompts, comps), base_fingerprint(model)
     _update(name, mod, model, tok, prompts, comps, sign)
     after = _mean_logp(mod, model, tok, prompts, comps)
+    assert base_fingerprint(model) == base, f"{name}: the update changed the base weights"
     if sign > 0:
         assert after > before + 1e-3, f"{name}: positive advantages did not raise log-probs ({before:.4f} -> {after:.4f})"
     else:
