@@ -26,38 +26,10 @@ Equations -> functions
 - §3.4  SplitScore(k) = δ_k / |D|, δ_k = Σ |R̃^(k+1) - R̃^(k)|         -> `split_score`
 - §3.4  stopping rule: smallest k with SplitScore(j) < ε, j ∈ [k, k+τ] -> `select_k`
 - §3.3-3.4 the whole pipeline for one batch of games                 -> `aria_credit`
+- embed, cluster and aggregate one iteration's games -> samples      -> `compute_advantages`
 - §3.5  J(θ) = E[Σ_t log π_θ(a_t|h_t) Ã(h_t, a_t)]                   -> `reinforce_loss`, `update`
 
-Deviations from the paper
-- Encoder: text-embedding-3-small is not reachable offline. `--embedder hash` (default) is a
-  deterministic hashed bag of words and character 3-grams; `--embedder policy` mean-pools the frozen base
-  policy's last hidden states; any AutoModel checkpoint (hub id or local dir) can be given instead.
-  All embeddings are L2-normalised before the Euclidean HAC.
-- K (the largest k tried, paper 100) is capped by the number of distinct utterances (more clusters than
-  distinct points give the same partition).
-- Far smaller budgets on CPU (games per iteration, a tiny policy, its learning rate); see docs/aria.md.
-- Two-player games: R is the win indicator (the paper's win-rate metric; `--game-reward payoff` uses the
-  normalised payoff); the key starts with the acting role, and every message of the game (both players',
-  invalid ones included) is an utterance of the history.
-Deviations from the official code (rhyang2021/ARIA @ 4a6b895)
-- Average linkage (paper App. D) by default; `--linkage ward` is the official code's choice.
-- SplitScore over all steps at every turn (the official single-agent script only matches first turns),
-  ε = 0.01, τ = 10 as in the paper (official: ε 0.005 single-agent, 0.01 two-player, with a stable count
-  of 20 / 17, which is τ = 19 / 16 in the paper's rule). Two-player: one pooled SplitScore over both
-  players' steps; the official code averages the two players' mean changes (measured up to 0.025 apart).
-- Two-player games: a game that ends on Alice's move keeps that move in training and in the aggregation;
-  the official code cuts both players to min(len(alice), len(bob)) moves and drops it.
-- Every step is trained, the first one included, with the discount γ^(T-t) (last step γ^0) for both
-  players; the official code skips the first action, uses γ^(T-j) with the last action at γ^1, and
-  discounts Bob not at all.
-- The training prompt is the one the action was sampled from (chat template; the single-agent envs'
-  full history, the two-player games' last 4 moves, the env default), scored as one left-padded
-  sequence; the official code lags the history by one turn and tokenises without it.
-- Negotiation and Bargaining are the envs in envs/, not the paper's prompts: the seller's prompt does not
-  state the product's worth to the buyer, only the buyer can walk away, and Bargaining lasts 4-10 rounds
-  (paper: 20). See docs/aria.md.
-- Twenty Questions answers are labelled by their exact text (the official code uses a Yes/No keyword
-  rule); free-text observations (Guess My City) are clustered jointly with the actions, as officially.
+Deviations from the paper and from the official code: docs/aria.md, "Deviations".
 
 Example
     python aria.py                                         # tiny Bargaining in self-play, CPU

@@ -24,22 +24,7 @@ Equations -> functions
 - Eq. 2  best-of-n ΔBelief sampling (Fig. 3, evaluation only)            -> `rollout(best_of_n=n)`
 - clipped PG with ε_low / ε_high, dual clip, token-mean                   -> `policy_loss`
 
-Deviations from the paper
-- Elicitation string `Is it '<target>'?` (the official code's) instead of "Is the secret <target>?".
-- Reward scales are the official run-time ones (win 2.0, turn penalty 0.05 per turn of the game,
-  invalid 5.0, repeated 1.0, λ 0.1); the paper gives them only in a figure (Tab. 11b).
-- Twenty Questions here has a rule-based oracle (envs/twenty_questions.py) instead of a Qwen3-14B judge,
-  and on CPU the policy is a tiny from-scratch model, so learning rate and batch sizes are resized.
-Deviations from the official code (bethgelab/delta-belief-rl @ f173b54)
-- Turn statistics are taken over the trajectories still playing at that turn; the official code counts
-  finished games as zero rewards in each turn column (they shift mean and std of late turns).
-- The length penalty applies to every game (official: only when the game lasted more than one turn).
-- The end-of-sequence token of each turn is trained (official: `<|im_end|>` is masked out).
-- Each turn is its own sample, scored with the prompt rendered exactly as at sampling time (official:
-  the whole dialogue is re-rendered once for training).
-- Target tokens are located by character offsets inside the elicitation message (a token counts if it
-  overlaps the target's characters), which also works when BPE merges the quote with the target; the
-  official code searches for the standalone tokenisation of the target and fails if it is not found.
+Deviations from the paper and from the official code: docs/delta_belief.md, "Deviations".
 
 Example
     python delta_belief.py --env-id twenty_questions --reward-mode delta --lam 0.1 --seed 1

@@ -24,20 +24,7 @@ Equations -> functions
 - PRM stand-in: the top-k turns by the env's progress gain                   -> `rule_critical_turns`
 - ablations: --prm none (outcome only), --weights ones (EPO-SFT: every own strategy weighted 1)
 
-Deviations from the paper (its method section is missing from our copy; the official code is followed)
-- Negotiation (envs/negotiation.py, seller vs buyer, 0-10 goal score) instead of SOTOPIA with a GPT-4o
-  evaluator; the frozen agent is the env's strategy-following rule agent (`--agent rule`, default) or the
-  same base model with adapters disabled (`--agent base`), not GPT-4o/GPT-4-Turbo; the PRM is the frozen
-  base model with the paper's prompt (`--prm llm`) or a rule on the env's progress (`--prm rule`, default).
-- The strategist is a LoRA adapter on a 4-bit base (CPU: the tiny strategist built from the env expert's
-  strategies, standing in for round 0's GPT-4-Turbo data), not a full fine-tune of Llama-3-8B.
-Deviations from the official code (lxqpku/EPO @ e363c76)
-- Every iteration collects fresh on-policy episodes and continues training the same adapter (the official
-  configs always start from the base model path; which was used between rounds is not released).
-- Trajectories whose weights are all zero are dropped before training (they give no gradient; the
-  official gradient-accumulation denominator still counts them).
-- The PRM history is `json.dumps` of the conversation (the official code formats the Python dict with
-  `str`), and its indexes are positions in that conversation list, as in the official data.
+Deviations from the paper and from the official code: docs/epo.md, "Deviations".
 
 Example
     python epo.py                                           # tiny Negotiation, rule agent, rule PRM, CPU

@@ -27,26 +27,7 @@ Equations -> functions
 - App. D.3 fuzzy state matching (similarity >= 0.95, graph nodes only)                  -> `fuzzy_node_map`
 - Eq. 8  A = beta_G A^G + beta_E A^E;  Eq. 9 clipped PG - beta KL(pi || pi_ref)         -> main loop, `policy_loss`
 
-Deviations from the paper
-- Policy is a LoRA adapter (4-bit base on CUDA), so the learning rate is larger than the paper's 1e-6
-  full fine-tuning rate (1e-5 for hub models, 5e-4 for the tiny CPU policy).
-- Rewards use the paper's rule-based scheme for every env (10 on success, 0 otherwise, -0.1 per invalid
-  action), whatever the env's own reward is; the env's return is logged only.
-- Fuzzy matching uses difflib's SequenceMatcher ratio on the state text (as the official code's
-  `enable_similarity` does), not the embedding similarity that App. D.3 describes.
-Deviations from the official code (verl-agent recipe/GraphGPO @ 234a9136)
-- Step reward 10 * omega^(d+1) - 0.1 * invalid as in Eq. 4 (unit cost c = 1) and the paper's penalty; the
-  code uses 10 * omega^d - 0.1 * invalid (`--step-cost 0`). Without invalid actions the factor omega
-  cancels in the std normalisation; with them our penalty weighs 1/omega times more against the distance
-  term (x1.25 Sokoban, x5 WebShop, x10 ALFWorld) and the ranking of steps can change (docs/graphgpo.md).
-- Fuzzy matching calls SequenceMatcher with autojunk=False; the code keeps difflib's default
-  autojunk=True, whose popular-character heuristic changes the ratio of states of 200+ characters.
-- Episode advantage over the M trajectories (Eq. 2) with R(tau) = 10 * success - 0.1 * #invalid; the
-  code normalises episode_reward - 0.1 * invalid(row) over all step rows of the group (long
-  trajectories weigh more there; upstream issue #138).
-- No entropy bonus (official config: 0.001), no row duplication to a divisible batch size.
-- GiGPO baseline: `mean_std_norm` in its step groups on every env (the official Sokoban and WebShop
-  scripts use `mean_norm`), so the three variants differ only in the step reward.
+Deviations from the paper and from the official code: docs/graphgpo.md, "Deviations".
 
 Example
     python graphgpo.py                                   # tiny Sokoban policy, CPU, GraphGPO

@@ -25,33 +25,7 @@ Equations -> functions
 - Eq. 6  clipped surrogate on the step-level ratio, step-mean, no KL     -> `policy_loss`
 - official `istar_norm: batch_norm` (step rewards / max |r| of the batch) -> `normalize_step_rewards`
 
-Deviations from the paper
-- LoRA adapters instead of full fine-tuning, so the learning rates are resized (paper: 5e-7 policy,
-  1e-6 PRM, full fine-tuning of 7B models). The paper's PRM:policy ratio of 2 is kept. On the tiny
-  policy: 5e-4 / 1e-3 (the rate at which GRPO and GraphGPO improve the tiny Sokoban
-  policy, docs/learning.md); on a real model: 1e-5 / 2e-5.
-- Step rewards are divided by the largest |r_φ| of the batch before the advantages (the official code's
-  default `istar_norm: batch_norm`; the paper does not mention it). Without it the RLOO step term
-  (β-scaled log-ratios, ~1e-2) would be negligible next to the episode term. `--step-reward-norm none`
-  turns it off.
-- The invalid-action penalty (0.1) is subtracted from the trajectory's outcome once per invalid step.
-- Sokoban's outcome is the episode return of the paper's shaped reward (-0.1 per step, +-1 per box on/off
-  a target, +10 on solving; `--sokoban-reward sparse` for 10 on solving only); the DPO pairs use success.
-- Trajectory score in Eq. 2: the mean of its step rewards by default (the official code; the text says
-  "summed and averaged"); `--dpo-reduce sum` reads Eq. 2 literally.
-- Sokoban here is a text grid (envs/sokoban.py) played by a tiny from-scratch policy on CPU, with a
-  small budget; the paper uses VisualSokoban with Qwen2.5-VL-7B for 200 steps of 32 x 8 rollouts.
-Deviations from the official code (Tongyi-ConvAI/Tongyi-Character @ dfee104)
-- The step-level baseline is over the union of all steps of the group (Eq. 4); the official code uses
-  one (arbitrary) step per trajectory as the baseline sample.
-- The GRPO estimator divides by the std (Eq. 3-4); the official `istar_grpo` default is mean-only.
-- No entropy bonus (official config: 0.001); computing it would need the full softmax.
-- The PRM is a LoRA adapter on the policy's base model, not a second full model; the DPO gradient is
-  computed in two passes (scores without graph, then dL/dr_s re-injected per micro-batch), which gives
-  the same gradient as one pooled backward but keeps only one micro-batch's activations.
-- Pairs are formed over the whole group (the official code pairs only rows on the same GPU shard).
-- Eq. 6's step-level ratio, averaged over steps, is the default; the official verl loss (per-token
-  ratios, token-mean) is `--ratio-level token`.
+Deviations from the paper and from the official code: docs/istar.md, "Deviations".
 
 Example
     python istar.py --env-id sokoban --seed 1                 # iStar on RLOO, tiny policy, CPU
