@@ -766,6 +766,24 @@ def iteration_row(episodes, samples, ustats, cstats, t_roll, t_upd, players=()):
     return row
 
 
+def write_summary(run_dir, args, wall_seconds, first_eval, last_eval, eval_metric):
+    """summary.json (the first and last evaluation, the learning block), printed as well."""
+    summary = {
+        "run_dir": str(run_dir),
+        "iterations": args.num_iterations,
+        "wall_seconds": wall_seconds,
+        "first_eval": first_eval,
+        "last_eval": last_eval,
+        "learning": learning_summary(first_eval, last_eval, eval_metric),
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print("summary: " + json.dumps({k: v for k, v in summary.items() if k not in ("first_eval", "last_eval", "learning")}))
+    for name, ev in (("first", first_eval), ("last", last_eval)):
+        print(f"{name} eval: " + ", ".join(f"{k}={v:.3f}" for k, v in ev.items() if isinstance(v, float)))
+    print_learning(summary["learning"])
+    return summary
+
+
 def mean_se(values) -> tuple[float, float]:
     """Mean and standard error (sample std / sqrt(n); 0 for fewer than two values) of per-episode values.
     For success flags this is the success rate p and about sqrt(p (1 - p) / n)."""
@@ -963,20 +981,7 @@ def main(args: Args):
         logger.log(args.num_iterations, last_eval)
     if args.save_model:
         save_adapter(model, run_dir)
-    summary = {
-        "run_dir": str(run_dir),
-        "iterations": args.num_iterations,
-        "wall_seconds": time.time() - t_start,
-        "first_eval": first_eval,
-        "last_eval": last_eval,
-        "learning": learning_summary(first_eval, last_eval, eval_metric),
-    }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    print("summary: " + json.dumps({k: v for k, v in summary.items() if k not in ("first_eval", "last_eval", "learning")}))
-    for name, ev in (("first", first_eval), ("last", last_eval)):
-        print(f"{name} eval: " + ", ".join(f"{k}={v:.3f}" for k, v in ev.items() if isinstance(v, float)))
-    print_learning(summary["learning"])
-    return summary
+    return write_summary(run_dir, args, time.time() - t_start, first_eval, last_eval, eval_metric)
 
 
 if __name__ == "__main__":

@@ -666,6 +666,35 @@ def evaluate(model, tok, new_env, tasks, args, max_new_tokens):
     return out, records
 
 
+def iteration_row(episodes, samples, ustats, cstats, t_roll, t_credit, t_upd, t_total):
+    """The metrics of one training iteration."""
+    n_turns = sum(ep.length for ep in episodes)
+    n_tok = sum(len(s["completion"]) for s in samples)
+    row = {
+        "charts/success": float(np.mean([ep.success for ep in episodes])),
+        "charts/return": float(np.mean([sum(ep.env_rewards) for ep in episodes])),
+        "charts/episode_length": float(np.mean([ep.length for ep in episodes])),
+        "charts/invalid_rate": float(sum(sum(ep.invalid) for ep in episodes) / max(n_turns, 1)),
+        "losses/policy_loss": ustats.get("pg_loss", 0.0),
+        "losses/loss": ustats.get("loss", 0.0),
+        "losses/kl_ref": ustats.get("kl_ref", 0.0),
+        "losses/approx_kl": ustats.get("approx_kl", 0.0),
+        "losses/clip_frac": ustats.get("clip_frac", 0.0),
+        "losses/grad_norm": ustats.get("grad_norm", 0.0),
+        **cstats,
+        "credit/graph_time_frac": cstats["credit/graph_seconds"] / max(t_total, 1e-9),
+        "perf/rollout_seconds": t_roll,
+        "perf/credit_seconds": t_credit,
+        "perf/update_seconds": t_upd,
+        "perf/iteration_seconds": t_total,
+        "perf/tokens_per_second": n_tok / max(t_roll, 1e-9),
+        "perf/samples": len(samples),
+    }
+    if torch.cuda.is_available():
+        row["perf/peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    return row
+
+
 def mean_se(values) -> tuple[float, float]:
     """Mean and standard error (sample std / sqrt(n); 0 for fewer than two values) of per-episode values.
     For success flags this is the success rate p and about sqrt(p (1 - p) / n)."""
@@ -759,12 +788,10 @@ def make_env(env_id, env_kwargs, max_turns):
     return make, probe
 
 
-def main(args: Args):
-    from common.models import UserError, load_policy, policy_defaults
+def check_args(args):
+    """User errors in the arguments -> UserError; returns omega (--omega, or the env's default)."""
+    from common.models import UserError
 
-    t_start = time.time()
-    if args.torch_threads > 0:
-        torch.set_num_threads(args.torch_threads)
     if args.group_size < 2:
         raise UserError("--group-size must be >= 2 (advantages are normalised within a group)")
     if args.tasks_per_iteration < 1 or args.num_iterations < 0 or args.eval_k < 1:
@@ -776,6 +803,16 @@ def main(args: Args):
         raise UserError(f"--similarity-threshold must lie in (0, 1], got {args.similarity_threshold}")
     if args.history is not None and args.history < 0:
         raise UserError(f"--history must be >= 0 (or None), got {args.history}")
+    return omega
+
+
+def main(args: Args):
+    from common.models import load_policy, policy_defaults
+
+    t_start = time.time()
+    if args.torch_threads > 0:
+        torch.set_num_threads(args.torch_threads)
+    omega = check_args(args)
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -838,31 +875,7 @@ def main(args: Args):
         ustats = update(model, tok, optimizer, samples, args, rng)
         t_upd = time.time() - t2
 
-        n_turns = sum(ep.length for ep in episodes)
-        n_tok = sum(len(s["completion"]) for s in samples)
-        t_total = time.time() - t_iter
-        row = {
-            "charts/success": float(np.mean([ep.success for ep in episodes])),
-            "charts/return": float(np.mean([sum(ep.env_rewards) for ep in episodes])),
-            "charts/episode_length": float(np.mean([ep.length for ep in episodes])),
-            "charts/invalid_rate": float(sum(sum(ep.invalid) for ep in episodes) / max(n_turns, 1)),
-            "losses/policy_loss": ustats.get("pg_loss", 0.0),
-            "losses/loss": ustats.get("loss", 0.0),
-            "losses/kl_ref": ustats.get("kl_ref", 0.0),
-            "losses/approx_kl": ustats.get("approx_kl", 0.0),
-            "losses/clip_frac": ustats.get("clip_frac", 0.0),
-            "losses/grad_norm": ustats.get("grad_norm", 0.0),
-            **cstats,
-            "credit/graph_time_frac": cstats["credit/graph_seconds"] / max(t_total, 1e-9),
-            "perf/rollout_seconds": t_roll,
-            "perf/credit_seconds": t_credit,
-            "perf/update_seconds": t_upd,
-            "perf/iteration_seconds": t_total,
-            "perf/tokens_per_second": n_tok / max(t_roll, 1e-9),
-            "perf/samples": len(samples),
-        }
-        if torch.cuda.is_available():
-            row["perf/peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        row = iteration_row(episodes, samples, ustats, cstats, t_roll, t_credit, t_upd, time.time() - t_iter)
         if args.eval_every and (it % args.eval_every == 0 or it == args.num_iterations):
             last_eval = run_eval(it)
             row.update(last_eval)
