@@ -36,7 +36,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
 import random
 import sys
 import time

@@ -46,7 +46,7 @@ import time
 from collections import defaultdict, deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Hashable, Literal, Optional
+from typing import Literal, Optional
 
 import numpy as np
 import torch
