@@ -85,6 +85,28 @@ def test_optional_recipe_key_leaves_other_hashes_alone():
     assert tiny.recipe_hash(off) != tiny.recipe_hash(tiny.recipe_for("sokoban", "default"))
 
 
+def test_label_noise_replaces_that_share_of_labels_and_leaves_states_alone():
+    import envs
+
+    def demos(noise):
+        # eps 0: every state follows the expert, so the states do not depend on the label draws
+        recipe = tiny.recipe_for("twenty_questions", "micro", {"eps": 0.0, "label": "expert", "label_noise": noise})
+        return tiny.collect_demos("twenty_questions", recipe, progress=False)[0]
+
+    clean, all_noise, half = demos(0.0), demos(1.0), demos(0.5)
+    assert [m for m, _ in clean] == [m for m, _ in all_noise] == [m for m, _ in half]
+    env = envs.make("twenty_questions")
+    pool = set(env.canonical_questions) | {env.guess_text(t) for t in env.guess_targets}
+    assert all(label in pool for _, label in all_noise)
+    n = len(clean)
+    changed_all = sum(a != b for (_, a), (_, b) in zip(clean, all_noise)) / n
+    changed_half = sum(a != b for (_, a), (_, b) in zip(clean, half)) / n
+    assert n > 200 and changed_all > 0.95  # a noise label equals the expert's move about 1 time in 300
+    assert 0.4 < changed_half < 0.6, changed_half  # binomial, n > 200: SE < 0.035
+    assert "label_noise" not in tiny.recipe_for("sokoban", "default")  # absent unless set: hashes kept
+    assert tiny.recipe_for("twenty_questions", "default")["label_noise"] == 0.3
+
+
 def test_completion_loss_action_smoothing_hand_computed():
     # logits [0, ln 3, 0, 0, 0] at every position -> p = (1, 3, 1, 1, 1) / 7. Completion [1, 4]:
     #   token 1: NLL ln(7/3) = 0.847298; smoothed over ids {0, 1, 2} with eps 0.3:
