@@ -150,6 +150,8 @@ class Args:
     """LLM PRM answer length; None: 256 for a real model, 32 for the tiny model"""
     weights: Literal["epo", "ones"] = "epo"
     """'epo': PRM + outcome returns; 'ones': every own strategy weighted 1 (EPO-SFT ablation)"""
+    return_norm: Literal["trajectory", "batch"] = "trajectory"
+    """returns divided by the max |G| of each trajectory (official) or of the whole batch"""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -165,6 +167,13 @@ def epo_turn_weights(critical, outcome, gamma=0.99):
     critical: length-T bools (the PRM's critical turns); outcome: the goal score scaled to [0, 1].
     Returns a float64 array of length T.
     """
+    G = epo_turn_returns(critical, outcome, gamma)
+    m = float(np.abs(G).max()) if len(G) else 0.0
+    return G / m if m > 0 else np.zeros(len(G))
+
+
+def epo_turn_returns(critical, outcome, gamma=0.99):
+    """The unnormalised returns G_t of `epo_turn_weights` (same rewards r_t, same discount)."""
     c = np.asarray(critical, dtype=bool).reshape(-1)
     T = len(c)
     r = c.astype(np.float64)
@@ -175,8 +184,15 @@ def epo_turn_weights(critical, outcome, gamma=0.99):
     for t in range(T - 1, -1, -1):
         acc = r[t] + gamma * acc
         G[t] = acc
-    m = float(np.abs(G).max()) if T else 0.0
-    return G / m if m > 0 else np.zeros(T)
+    return G
+
+
+def batch_turn_weights(returns):
+    """A_t = G_t / max |G| over every turn of the batch (`--return-norm batch`): the same weights up to one
+    scale for the whole batch, so a trajectory with a better outcome keeps a larger weight than a worse
+    one. `returns` is a list of per-trajectory arrays G; returns a list of arrays (zeros if all G are 0)."""
+    m = max((float(np.abs(g).max()) for g in returns if len(g)), default=0.0)
+    return [np.asarray(g, dtype=np.float64) / m if m > 0 else np.zeros(len(g)) for g in returns]
 
 
 def epo_loss(token_logps, mask, turn_weights):
@@ -261,8 +277,12 @@ def compute_advantages(episodes, args):
             ep.critical = [False] * ep.length
         if args.weights == "ones":
             ep.weights = [1.0] * ep.length
-        else:
+        elif args.return_norm == "trajectory":
             ep.weights = epo_turn_weights(ep.critical, ep.outcome, args.gamma).tolist()
+    if args.weights != "ones" and args.return_norm == "batch":
+        G = [epo_turn_returns(ep.critical, ep.outcome, args.gamma) for ep in episodes]
+        for ep, w in zip(episodes, batch_turn_weights(G)):
+            ep.weights = w.tolist()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -64,6 +64,33 @@ def test_weights_zero_outcome_critical_turn_and_gamma_one():
     np.testing.assert_allclose(epo.epo_turn_weights([0, 1, 0, 0], 0.5, gamma=1.0), [1, 1, 1 / 3, 1 / 3], atol=1e-12)
 
 
+def test_batch_turn_weights_keep_the_outcome_size_across_trajectories():
+    # gamma 0.5. A: no critical turn, outcome 0.5 -> r = (0, 0.5), G = (0.25, 0.5).
+    # B: turn 1 critical, outcome 0.8 -> r = (1, 0, 0.8), G = (1 + 0.5 * 0.4, 0.5 * 0.8, 0.8) = (1.2, 0.4, 0.8).
+    GA = epo.epo_turn_returns([False, False], 0.5, gamma=0.5)
+    GB = epo.epo_turn_returns([True, False, False], 0.8, gamma=0.5)
+    np.testing.assert_allclose(GA, [0.25, 0.5], atol=1e-12)
+    np.testing.assert_allclose(GB, [1.2, 0.4, 0.8], atol=1e-12)
+    wa, wb = epo.batch_turn_weights([GA, GB])  # one scale, the batch max 1.2
+    np.testing.assert_allclose(wa, [0.25 / 1.2, 0.5 / 1.2], atol=1e-12)
+    np.testing.assert_allclose(wb, [1.0, 0.4 / 1.2, 0.8 / 1.2], atol=1e-12)
+    # per trajectory (official) A would weigh (0.5, 1.0): the outcome's size is lost
+    np.testing.assert_allclose(epo.epo_turn_weights([False, False], 0.5, gamma=0.5), [0.5, 1.0], atol=1e-12)
+    assert [list(w) for w in epo.batch_turn_weights([np.zeros(2), np.zeros(0)])] == [[0.0, 0.0], []]
+
+
+def test_compute_advantages_return_norm():
+    class Ep:
+        def __init__(self, outcome, T):
+            self.outcome, self.length, self.progress, self.critical = outcome, T, [0.0] * (T + 1), None
+
+    eps = [Ep(0.5, 2), Ep(0.25, 1)]
+    epo.compute_advantages(eps, epo.Args(prm="none", gamma=1.0, return_norm="batch"))
+    assert eps[0].weights == [1.0, 1.0] and eps[1].weights == [0.5]
+    epo.compute_advantages(eps, epo.Args(prm="none", gamma=1.0, return_norm="trajectory"))
+    assert eps[0].weights == [1.0, 1.0] and eps[1].weights == [1.0]
+
+
 # ---------------------------------------------------------------------------------------------
 # epo_loss
 # ---------------------------------------------------------------------------------------------
