@@ -277,7 +277,6 @@ def compute_advantages(samples, outcomes, traj_group, step_r, tok_r, args):
         r_in = step_r.double()
         r_in = normalize_step_rewards(r_in) if args.step_reward_norm == "batch_max_abs" else r_in
         adv = istar_advantages(outcomes, traj_group, r_in, traj_index, args.alpha, args.estimator, args.adv_eps)
-        adv_e = istar_advantages(outcomes, traj_group, r_in, traj_index, 0.0, args.estimator, args.adv_eps)
         for x, a in zip(samples, adv.tolist()):
             x["adv"] = torch.full((len(x["completion"]),), a)
     else:
@@ -285,16 +284,13 @@ def compute_advantages(samples, outcomes, traj_group, step_r, tok_r, args):
         flat = normalize_step_rewards(flat) if args.step_reward_norm == "batch_max_abs" else flat
         tok_traj = torch.cat([torch.full((len(x["completion"]),), x["traj"]) for x in samples])
         adv = istar_advantages(outcomes, traj_group, flat, tok_traj, args.alpha, args.estimator, args.adv_eps)
-        adv_e = istar_advantages(outcomes, traj_group, flat, tok_traj, 0.0, args.estimator, args.adv_eps)
         pos = 0
         for x in samples:
             c = len(x["completion"])
             x["adv"] = adv[pos:pos + c].float()
             pos += c
     advs = torch.cat([x["adv"] for x in samples]) if samples else torch.zeros(0)
-    return {"credit/adv_abs_mean": float(advs.abs().mean()) if len(advs) else 0.0,
-            "credit/adv_episode_abs_mean": float(adv_e.abs().mean()) if len(adv_e) else 0.0,
-            "credit/adv_step_abs_mean": float((adv - adv_e).abs().mean()) if len(adv) else 0.0}
+    return {"credit/adv_abs_mean": float(advs.abs().mean()) if len(advs) else 0.0}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -469,7 +465,7 @@ def token_logprobs(model, tok, samples, adapter, micro_batch_size, temperature=1
 def training_samples(model, tok, episodes, args):
     """One sample per step (prompt, completion, trajectory, group, turn) with π_θold's token log-probs."""
     samples = [{"prompt": ep.prompts[t], "completion": ep.completions[t], "traj": ep.traj_id,
-                "group": ep.group_id, "turn": t, "dprog": ep.progress_delta[t]}
+                "group": ep.group_id, "turn": t}
                for ep in episodes for t in range(ep.length)]
     old = token_logprobs(model, tok, samples, "default", args.micro_batch_size, args.temperature)
     for x, o in zip(samples, old):
@@ -660,7 +656,6 @@ def iteration_row(episodes, samples, traj_success, step_r, pstats, ustats, cstat
         row["credit/step_reward_abs_mean"] = float(np.abs(r_np).mean()) if len(r_np) else 0.0
         row["credit/step_reward_success_mean"] = float(r_np[succ_steps.numpy()].mean()) if bool(succ_steps.any()) else float("nan")
         row["credit/step_reward_failure_mean"] = float(r_np[~succ_steps.numpy()].mean()) if bool((~succ_steps).any()) else float("nan")
-        row["credit/step_reward_progress_corr"] = pearson(r_np, [x["dprog"] for x in samples])
     if torch.cuda.is_available():
         row["perf/peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
     return row
@@ -671,14 +666,11 @@ def adapter_params(model, adapter):
     return [p for n, p in model.named_parameters() if "lora_" in n and f".{adapter}." in n]
 
 
-def pearson(x, y):
-    """Pearson correlation over the finite pairs; nan when fewer than 3 or a constant side."""
-    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
-    ok = np.isfinite(x) & np.isfinite(y)
-    x, y = x[ok], y[ok]
-    if len(x) < 3 or x.std() == 0 or y.std() == 0:
-        return float("nan")
-    return float(np.corrcoef(x, y)[0, 1])
+def step_reward_record(episodes, step_r):
+    """Every step's implicit reward and change of env progress (null where unknown), in step order, for
+    samples.jsonl; benchmarks/istar_bench.py correlates them."""
+    return {"tag": "train_step_rewards", "step_reward": step_r.double().tolist(),
+            "progress_delta": [d if math.isfinite(d) else None for ep in episodes for d in ep.progress_delta]}
 
 
 def start_run(args, resolved):
@@ -914,6 +906,7 @@ def main(args: Args):
 
         row = iteration_row(episodes, samples, traj_success, step_r, pstats if use_prm else None, ustats, cstats,
                             t_roll, t_old, t_prm, t_upd)
+        logger.log_samples(it, [step_reward_record(episodes, step_r)] if use_prm else [])
         if args.eval_every and (it % args.eval_every == 0 or it == args.num_iterations):
             last_eval = run_eval(it)
             row.update(last_eval)
