@@ -666,6 +666,75 @@ def evaluate(model, tok, new_env, tasks, args, max_turns, prefix, belief_message
     return out, records
 
 
+def start_run(args, resolved):
+    """The run directory, its config.json (every Args field and the values resolved at run time) and its
+    Logger."""
+    run_dir = Path(args.output_dir) / f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    print(f"run dir: {run_dir}")
+    (run_dir / "config.json").write_text(json.dumps({**asdict(args), **resolved}, indent=2))
+    return run_dir, Logger(run_dir, args.track)
+
+
+def eval_line(ev):
+    """An evaluation row as one printed line (its numbers, without the per-opponent breakdown)."""
+    return ", ".join(f"{k}={v:.3f}" for k, v in ev.items() if isinstance(v, float) and "/vs_" not in k)
+
+
+def write_summary(run_dir, args, wall_seconds, first_eval, last_eval, eval_metric, **extra):
+    """summary.json (the first and last evaluation, `extra`, the learning block), printed as well."""
+    summary = {
+        "run_dir": str(run_dir),
+        "iterations": args.num_iterations,
+        "wall_seconds": wall_seconds,
+        "first_eval": first_eval,
+        "last_eval": last_eval,
+        **extra,
+        "learning": learning_summary(first_eval, last_eval, eval_metric),
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print("summary: " + json.dumps({k: v for k, v in summary.items() if not isinstance(v, (dict, list))}))
+    for name, ev in (("first", first_eval), ("last", last_eval)):
+        print(f"{name} eval: " + eval_line(ev))
+    print_learning(summary["learning"])
+    return summary
+
+
+def iteration_row(episodes, samples, all_r, deltas, ustats, t_roll, t_credit, t_upd, args):
+    """The metrics of one iteration: training games, losses, credit (belief statistics with
+    `--reward-mode delta`) and seconds per phase."""
+    advs = np.array([s["adv"] for s in samples])
+    n_tok = sum(len(s["completion"]) for s in samples)
+    n_q = sum(ep.length for ep in episodes)
+    row = {
+        "charts/success": float(np.mean([ep.won for ep in episodes])),
+        "charts/return": float(np.mean([ep.env_return for ep in episodes])),
+        "charts/episode_length": float(np.mean([ep.length for ep in episodes])),
+        "charts/invalid_rate": float(sum(sum(ep.invalid) for ep in episodes) / max(n_q, 1)),
+        "charts/repeated_rate": float(sum(sum(ep.repeated) for ep in episodes) / max(n_q, 1)),
+        "charts/turn_reward_mean": float(np.mean(all_r)) if all_r else 0.0,
+        "losses/policy_loss": ustats["loss"],
+        "losses/approx_kl": ustats["kl"],
+        "losses/clip_frac": ustats["clipfrac"],
+        "losses/grad_norm": ustats["grad_norm"],
+        "credit/adv_abs_mean": float(np.abs(advs).mean()) if len(advs) else 0.0,
+        "credit/adv_nonzero_frac": float((np.abs(advs) > 1e-8).mean()) if len(advs) else 0.0,
+        "perf/rollout_seconds": t_roll,
+        "perf/credit_seconds": t_credit,
+        "perf/update_seconds": t_upd,
+        "perf/tokens_per_second": n_tok / max(t_roll, 1e-9),
+        "perf/samples": len(samples),
+    }
+    if args.reward_mode == "delta":
+        row["credit/delta_belief_mean"] = float(np.mean(deltas)) if deltas else 0.0
+        row["credit/delta_belief_pos_frac"] = float(np.mean([d > 0 for d in deltas])) if deltas else 0.0
+        row["credit/belief_b0_mean"] = float(np.mean([ep.beliefs[0] for ep in episodes]))
+        row["credit/belief_gain_reward_mean"] = float(args.lam * np.mean(np.maximum(deltas, 0))) if deltas else 0.0
+    if torch.cuda.is_available():
+        row["perf/peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    return row
+
+
 def mean_se(values) -> tuple[float, float]:
     """Mean and standard error (sample std / sqrt(n); 0 for fewer than two values) of per-episode values.
     For success flags this is the success rate p and about sqrt(p (1 - p) / n)."""
@@ -756,22 +825,48 @@ def make_env(env_id, env_kwargs, max_turns, what):
     return make, probe
 
 
-def main(args: Args):
-    from common.models import UserError, load_policy, policy_defaults
+def check_args(args):
+    from common.models import UserError
 
-    t_start = time.time()
-    if args.torch_threads > 0:
-        torch.set_num_threads(args.torch_threads)
     if args.group_size < 2:
         raise UserError("--group-size must be >= 2 (GRPO normalises within a group)")
     if args.eval_k < 1 or args.tasks_per_iteration < 1 or args.num_iterations < 0:
         raise UserError("--eval-k and --tasks-per-iteration must be >= 1, --num-iterations >= 0")
     if args.belief_template != "auto" and "{target}" not in args.belief_template:
         raise UserError("--belief-template must contain '{target}', e.g. \"Is it '{target}'?\"")
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    rng = np.random.default_rng(args.seed)
+
+
+def make_ood_env(args, env_kwargs, max_turns, is_tiny):
+    """The out-of-distribution evaluation of `--eval-env-id`: (env factory, test tasks, belief message), or
+    None without one. The policy's prompt format carries over (a tiny 20Q policy reads no instruction text
+    and an unnumbered history); the env's content options (e.g. show_candidates) stay the OOD env's own."""
+    if not args.eval_env_id or args.eval_env_id == args.env_id:
+        return None
+    ood_kwargs = {k: env_kwargs[k] for k in ("instructions", "numbered") if k in env_kwargs}
+    if args.history is not None:
+        ood_kwargs["history"] = args.history
+    new_ood_env, ood_probe = make_env(args.eval_env_id, ood_kwargs, max_turns, "--eval-env-id")
+    ood_tasks = ood_probe.task_ids("test")
+    return (new_ood_env, ood_tasks[: args.eval_num_tasks] if args.eval_num_tasks else ood_tasks,
+            belief_message_for(args.belief_template, ood_probe, is_tiny))
+
+
+def seed_everything(seed):
+    """Seeds python, numpy and torch; returns the numpy generator that draws the run's tasks and batches."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    return np.random.default_rng(seed)
+
+
+def main(args: Args):
+    from common.models import load_policy, policy_defaults
+
+    t_start = time.time()
+    if args.torch_threads > 0:
+        torch.set_num_threads(args.torch_threads)
+    check_args(args)
+    rng = seed_everything(args.seed)
 
     # a tiny policy was trained on prompts rendered with its recipe's env options: use the same ones
     defaults = policy_defaults(args.model_name, args.env_id, args.tiny_preset, learning_rate=3e-5, max_new_tokens=50)
@@ -781,17 +876,7 @@ def main(args: Args):
     new_env, probe = make_env(args.env_id, env_kwargs, args.max_turns, "env")
     eval_max_turns = args.eval_max_turns or args.max_turns
     new_eval_env, _ = make_env(args.env_id, env_kwargs, eval_max_turns, "env")
-    ood = None
-    if args.eval_env_id and args.eval_env_id != args.env_id:
-        # the policy's prompt format carries over (a tiny 20Q policy reads no instruction text and an
-        # unnumbered history); the env's content options (e.g. show_candidates) stay the OOD env's own
-        ood_kwargs = {k: env_kwargs[k] for k in ("instructions", "numbered") if k in env_kwargs}
-        if args.history is not None:
-            ood_kwargs["history"] = args.history
-        new_ood_env, ood_probe = make_env(args.eval_env_id, ood_kwargs, eval_max_turns, "--eval-env-id")
-        ood_tasks = ood_probe.task_ids("test")
-        ood = (new_ood_env, ood_tasks[: args.eval_num_tasks] if args.eval_num_tasks else ood_tasks,
-               belief_message_for(args.belief_template, ood_probe, is_tiny))
+    ood = make_ood_env(args, env_kwargs, eval_max_turns, is_tiny)
     belief_message = belief_message_for(args.belief_template, probe, is_tiny)
     if args.max_new_tokens is None:
         args.max_new_tokens = defaults.max_new_tokens
@@ -807,14 +892,9 @@ def main(args: Args):
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, betas=tuple(args.adam_betas), weight_decay=args.weight_decay)
 
-    run_dir = Path(args.output_dir) / f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    print(f"run dir: {run_dir}")
     shown = belief_message if isinstance(belief_message, str) else f"env guess_question: {belief_message('<target>')}"
-    (run_dir / "config.json").write_text(json.dumps({**asdict(args), "resolved_learning_rate": lr,
-                                                     "resolved_belief_message": shown, "env_kwargs": env_kwargs},
-                                                    indent=2))
-    logger = Logger(run_dir, args.track)
+    run_dir, logger = start_run(args, {"resolved_learning_rate": lr, "resolved_belief_message": shown,
+                                       "env_kwargs": env_kwargs})
 
     def run_eval(it, final=False):
         t0 = time.time()
@@ -831,12 +911,11 @@ def main(args: Args):
     first_eval = run_eval(0)
     logger.log(0, first_eval)
     last_eval = first_eval
-    print("eval before training: " + ", ".join(f"{k}={v:.3f}" for k, v in first_eval.items() if isinstance(v, float)))
+    print("eval before training: " + eval_line(first_eval))
 
     G = args.group_size
     bar = tqdm(range(1, args.num_iterations + 1), desc="delta_belief", dynamic_ncols=True)
     for it in bar:
-        row = {}
         t0 = time.time()
         targets = [train_tasks[i] for i in rng.choice(len(train_tasks), size=args.tasks_per_iteration,
                                                       replace=len(train_tasks) < args.tasks_per_iteration)]
@@ -849,41 +928,13 @@ def main(args: Args):
         # credit assignment, one group (= one secret) at a time
         t1 = time.time()
         samples, all_r, deltas = compute_advantages(episodes, len(targets), args)
-        advs = np.array([s["adv"] for s in samples])
         t_credit = time.time() - t1
 
         t2 = time.time()
         ustats = update(model, tok, optimizer, samples, args, rng)
         t_upd = time.time() - t2
 
-        n_tok = sum(len(s["completion"]) for s in samples)
-        n_q = sum(ep.length for ep in episodes)
-        row.update({
-            "charts/success": float(np.mean([ep.won for ep in episodes])),
-            "charts/return": float(np.mean([ep.env_return for ep in episodes])),
-            "charts/episode_length": float(np.mean([ep.length for ep in episodes])),
-            "charts/invalid_rate": float(sum(sum(ep.invalid) for ep in episodes) / max(n_q, 1)),
-            "charts/repeated_rate": float(sum(sum(ep.repeated) for ep in episodes) / max(n_q, 1)),
-            "charts/turn_reward_mean": float(np.mean(all_r)) if all_r else 0.0,
-            "losses/policy_loss": ustats["loss"],
-            "losses/approx_kl": ustats["kl"],
-            "losses/clip_frac": ustats["clipfrac"],
-            "losses/grad_norm": ustats["grad_norm"],
-            "credit/adv_abs_mean": float(np.abs(advs).mean()) if len(advs) else 0.0,
-            "credit/adv_nonzero_frac": float((np.abs(advs) > 1e-8).mean()) if len(advs) else 0.0,
-            "perf/rollout_seconds": t_roll,
-            "perf/credit_seconds": t_credit,
-            "perf/update_seconds": t_upd,
-            "perf/tokens_per_second": n_tok / max(t_roll, 1e-9),
-            "perf/samples": len(samples),
-        })
-        if args.reward_mode == "delta":
-            row["credit/delta_belief_mean"] = float(np.mean(deltas)) if deltas else 0.0
-            row["credit/delta_belief_pos_frac"] = float(np.mean([d > 0 for d in deltas])) if deltas else 0.0
-            row["credit/belief_b0_mean"] = float(np.mean([ep.beliefs[0] for ep in episodes]))
-            row["credit/belief_gain_reward_mean"] = float(args.lam * np.mean(np.maximum(deltas, 0))) if deltas else 0.0
-        if torch.cuda.is_available():
-            row["perf/peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        row = iteration_row(episodes, samples, all_r, deltas, ustats, t_roll, t_credit, t_upd, args)
         if args.eval_every and (it % args.eval_every == 0 or it == args.num_iterations):
             last_eval = run_eval(it, final=it == args.num_iterations)
             row.update(last_eval)
@@ -897,20 +948,7 @@ def main(args: Args):
         logger.log(args.num_iterations, last_eval)
     if args.save_model:
         save_adapter(model, run_dir)
-    summary = {
-        "run_dir": str(run_dir),
-        "iterations": args.num_iterations,
-        "wall_seconds": time.time() - t_start,
-        "first_eval": first_eval,
-        "last_eval": last_eval,
-        "learning": learning_summary(first_eval, last_eval, "eval/success"),
-    }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    print("summary: " + json.dumps({k: v for k, v in summary.items() if k not in ("first_eval", "last_eval", "learning")}))
-    for name, ev in (("first", first_eval), ("last", last_eval)):
-        print(f"{name} eval: " + ", ".join(f"{k}={v:.3f}" for k, v in ev.items() if isinstance(v, float)))
-    print_learning(summary["learning"])
-    return summary
+    return write_summary(run_dir, args, time.time() - t_start, first_eval, last_eval, "eval/success")
 
 
 if __name__ == "__main__":

@@ -846,6 +846,70 @@ def evaluate(model, tok, make_game, tasks, players, styles, args):
     return row, records
 
 
+def start_run(args, resolved):
+    """The run directory, its config.json (every Args field and the values resolved at run time) and its
+    Logger."""
+    run_dir = Path(args.output_dir) / f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    print(f"run dir: {run_dir}")
+    (run_dir / "config.json").write_text(json.dumps({**asdict(args), **resolved}, indent=2))
+    return run_dir, Logger(run_dir, args.track)
+
+
+def eval_line(ev):
+    """An evaluation row as one printed line (its numbers, without the per-opponent breakdown)."""
+    return ", ".join(f"{k}={v:.3f}" for k, v in ev.items() if isinstance(v, float) and "/vs_" not in k)
+
+
+def write_summary(run_dir, args, wall_seconds, first_eval, last_eval, eval_metric, **extra):
+    """summary.json (the first and last evaluation, `extra`, the learning block), printed as well."""
+    summary = {
+        "run_dir": str(run_dir),
+        "iterations": args.num_iterations,
+        "wall_seconds": wall_seconds,
+        "first_eval": first_eval,
+        "last_eval": last_eval,
+        **extra,
+        "learning": learning_summary(first_eval, last_eval, eval_metric),
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print("summary: " + json.dumps({k: v for k, v in summary.items() if not isinstance(v, (dict, list))}))
+    for name, ev in (("first", first_eval), ("last", last_eval)):
+        print(f"{name} eval: " + eval_line(ev))
+    print_learning(summary["learning"])
+    return summary
+
+
+def iteration_row(episodes, ustats, prm_fails, t_roll, t_prm, t_upd, args):
+    """The metrics of one iteration: training trajectories, losses, credit and seconds per phase."""
+    all_w = np.concatenate([np.asarray(tr.weights, dtype=float) for tr in episodes if tr.length]) if episodes else np.zeros(0)
+    n_turns = sum(tr.length for tr in episodes)
+    row = {f"charts/{key}": v for key, v in trajectory_stats(episodes).items()}
+    row.update({
+        "charts/success": row.get("charts/win_rate", 0.0),
+        "charts/return": row.get("charts/outcome", 0.0),
+        "losses/policy_loss": float(np.mean(ustats["loss"])) if ustats["loss"] else 0.0,
+        "losses/policy_loss_first_epoch": ustats["epoch_loss"][0] if ustats["epoch_loss"] else 0.0,
+        "losses/policy_loss_last_epoch": ustats["epoch_loss"][-1] if ustats["epoch_loss"] else 0.0,
+        "losses/grad_norm": float(np.mean(ustats["grad_norm"])) if ustats["grad_norm"] else 0.0,
+        "losses/optimizer_steps": ustats["steps"],
+        "credit/critical_frac": float(sum(sum(tr.critical) for tr in episodes) / max(n_turns, 1)),
+        "credit/weight_mean": float(all_w.mean()) if len(all_w) else 0.0,
+        "credit/zero_weight_traj_frac": 1.0 - ustats["trained_trajectories"] / max(len(episodes), 1),
+        "credit/outcome_mean": float(np.mean([tr.outcome for tr in episodes])) if episodes else 0.0,
+        "perf/rollout_seconds": t_roll,
+        "perf/prm_seconds": t_prm,
+        "perf/update_seconds": t_upd,
+        "perf/tokens_per_second": sum(len(c) for tr in episodes for c in tr.completions) / max(t_roll, 1e-9),
+        "perf/samples": n_turns,
+    })
+    if args.prm == "llm":
+        row["credit/prm_parse_fail_frac"] = prm_fails / max(len(episodes), 1)
+    if torch.cuda.is_available():
+        row["perf/peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    return row
+
+
 def mean_se(values) -> tuple[float, float]:
     """Mean and standard error (sample std / sqrt(n); 0 for fewer than two values) of per-episode values.
     For success flags this is the success rate p and about sqrt(p (1 - p) / n)."""
@@ -947,32 +1011,68 @@ def make_env(args):
     return overrides, defaults, env_kwargs, make_game, probe, two_player
 
 
-def main(args: Args):
-    from common.models import UserError, load_policy
+def check_args(args):
+    from common.models import UserError
 
-    t_start = time.time()
-    if args.torch_threads > 0:
-        torch.set_num_threads(args.torch_threads)
     if args.num_iterations < 0 or args.episodes_per_iteration < 1 or args.num_epochs < 1:
         raise UserError("--num-iterations must be >= 0, --episodes-per-iteration and --num-epochs >= 1")
     if not 0.0 < args.gamma <= 1.0:
         raise UserError("--gamma must be in (0, 1]")
     if args.micro_batch_size < 1 or args.trajectories_per_step < 1 or args.eval_num_tasks < 0:
         raise UserError("--micro-batch-size and --trajectories-per-step must be >= 1, --eval-num-tasks >= 0")
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    rng = np.random.default_rng(args.seed)
 
-    overrides, defaults, env_kwargs, make_game_, probe, two_player = make_env(args)
-    is_tiny = defaults.is_tiny
-    players = list(probe.players) if two_player else ["agent"]
-    styles = list(probe.opponent_styles()) if two_player else []
+
+def training_games(make_game, tasks, players, styles, args, rng, two_player):
+    """One game per task, with its seats: the policy alone, the policy in every seat (`--train-opponent
+    self`), or the policy in one role, alternating, against a scripted style (`rule:<style>`; `rule:any`
+    draws one per game)."""
+    games = []
+    for n, task in enumerate(tasks):
+        if not two_player:
+            seats = {"agent": "policy"}
+        elif args.train_opponent == "self":
+            seats = {p: "policy" for p in players}
+        else:
+            style = args.train_opponent.split(":", 1)[1]
+            style = styles[int(rng.integers(len(styles)))] if style == "any" else style
+            role = players[n % len(players)]
+            seats = {p: ("policy" if p == role else style) for p in players}
+        games.append(make_game(task, seats))
+    return games
+
+
+def check_train_opponent(args, styles):
+    from common.models import UserError
+
     if args.train_opponent != "self":
         style = args.train_opponent.split(":", 1)[1] if args.train_opponent.startswith("rule:") else None
         if style is None or (style != "any" and style not in styles):
             raise UserError(f"--train-opponent must be 'self', 'rule:any' or 'rule:<style>' with a style in "
                             f"{', '.join(styles)}; got {args.train_opponent!r}")
+
+
+def seed_everything(seed):
+    """Seeds python, numpy and torch; returns the numpy generator that draws the run's tasks and batches."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    return np.random.default_rng(seed)
+
+
+def main(args: Args):
+    from common.models import load_policy
+
+    t_start = time.time()
+    if args.torch_threads > 0:
+        torch.set_num_threads(args.torch_threads)
+    check_args(args)
+    rng = seed_everything(args.seed)
+
+    overrides, defaults, env_kwargs, make_game_, probe, two_player = make_env(args)
+    is_tiny = defaults.is_tiny
+    players = list(probe.players) if two_player else ["agent"]
+    styles = list(probe.opponent_styles()) if two_player else []
+    check_train_opponent(args, styles)
     if args.max_new_tokens is None:
         args.max_new_tokens = defaults.max_new_tokens
     if args.agent_max_new_tokens is None:
@@ -993,12 +1093,7 @@ def main(args: Args):
     def make_game(task, seats):
         return make_game_(task, seats, not is_tiny)
 
-    run_dir = Path(args.output_dir) / f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    print(f"run dir: {run_dir}")
-    (run_dir / "config.json").write_text(json.dumps({**asdict(args), "resolved_learning_rate": lr,
-                                                     "env_kwargs": env_kwargs}, indent=2))
-    logger = Logger(run_dir, args.track)
+    run_dir, logger = start_run(args, {"resolved_learning_rate": lr, "env_kwargs": env_kwargs})
 
     def run_eval(it):
         t0 = time.time()
@@ -1011,27 +1106,15 @@ def main(args: Args):
     logger.log(0, first_eval)
     last_eval = first_eval
     history = [{"iteration": 0, **{k: v for k, v in first_eval.items() if k.startswith("eval/") and "/vs_" not in k}}]
-    print("eval before training: " + ", ".join(f"{k}={v:.3f}" for k, v in first_eval.items() if "/vs_" not in k))
+    print("eval before training: " + eval_line(first_eval))
 
     bar = tqdm(range(1, args.num_iterations + 1), desc="epo", dynamic_ncols=True)
     next_id = 0
     for it in bar:
-        row = {}
         t0 = time.time()
         pick = rng.choice(len(train_tasks), size=args.episodes_per_iteration,
                           replace=len(train_tasks) < args.episodes_per_iteration)
-        games = []
-        for n, i in enumerate(pick):
-            if not two_player:
-                seats = {"agent": "policy"}
-            elif args.train_opponent == "self":
-                seats = {p: "policy" for p in players}
-            else:
-                style = args.train_opponent.split(":", 1)[1]
-                style = styles[int(rng.integers(len(styles)))] if style == "any" else style
-                role = players[n % len(players)]
-                seats = {p: ("policy" if p == role else style) for p in players}
-            games.append(make_game(train_tasks[int(i)], seats))
+        games = training_games(make_game, [train_tasks[int(i)] for i in pick], players, styles, args, rng, two_player)
         episodes = rollout(model, tok, games, args, args.temperature, first_traj_id=next_id)
         next_id += len(episodes)
         t_roll = time.time() - t0
@@ -1050,32 +1133,7 @@ def main(args: Args):
         ustats = update(model, tok, episodes, args, lr, rng)
         t_upd = time.time() - t2
 
-        all_w = np.concatenate([np.asarray(tr.weights, dtype=float) for tr in episodes if tr.length]) if episodes else np.zeros(0)
-        n_turns = sum(tr.length for tr in episodes)
-        for key, v in trajectory_stats(episodes).items():
-            row[f"charts/{key}"] = v
-        row.update({
-            "charts/success": row.get("charts/win_rate", 0.0),
-            "charts/return": row.get("charts/outcome", 0.0),
-            "losses/policy_loss": float(np.mean(ustats["loss"])) if ustats["loss"] else 0.0,
-            "losses/policy_loss_first_epoch": ustats["epoch_loss"][0] if ustats["epoch_loss"] else 0.0,
-            "losses/policy_loss_last_epoch": ustats["epoch_loss"][-1] if ustats["epoch_loss"] else 0.0,
-            "losses/grad_norm": float(np.mean(ustats["grad_norm"])) if ustats["grad_norm"] else 0.0,
-            "losses/optimizer_steps": ustats["steps"],
-            "credit/critical_frac": float(sum(sum(tr.critical) for tr in episodes) / max(n_turns, 1)),
-            "credit/weight_mean": float(all_w.mean()) if len(all_w) else 0.0,
-            "credit/zero_weight_traj_frac": 1.0 - ustats["trained_trajectories"] / max(len(episodes), 1),
-            "credit/outcome_mean": float(np.mean([tr.outcome for tr in episodes])) if episodes else 0.0,
-            "perf/rollout_seconds": t_roll,
-            "perf/prm_seconds": t_prm,
-            "perf/update_seconds": t_upd,
-            "perf/tokens_per_second": sum(len(c) for tr in episodes for c in tr.completions) / max(t_roll, 1e-9),
-            "perf/samples": n_turns,
-        })
-        if args.prm == "llm":
-            row["credit/prm_parse_fail_frac"] = prm_fails / max(len(episodes), 1)
-        if torch.cuda.is_available():
-            row["perf/peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        row = iteration_row(episodes, ustats, prm_fails, t_roll, t_prm, t_upd, args)
         logger.log_samples(it, [episode_record(tr, "train") for tr in episodes[: args.num_logged_episodes]])
         if (args.eval_every and it % args.eval_every == 0) or it == args.num_iterations:
             last_eval = run_eval(it)
@@ -1089,21 +1147,8 @@ def main(args: Args):
                         loss=f"{row['losses/policy_loss']:.3f}")
     if args.save_model:
         save_adapter(model, run_dir)
-    summary = {
-        "run_dir": str(run_dir),
-        "iterations": args.num_iterations,
-        "wall_seconds": time.time() - t_start,
-        "first_eval": first_eval,
-        "last_eval": last_eval,
-        "eval_history": history,
-        "learning": learning_summary(first_eval, last_eval, "eval/goal_score"),
-    }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    print("summary: " + json.dumps({k: v for k, v in summary.items() if k in ("run_dir", "iterations", "wall_seconds")}))
-    for name, ev in (("first", first_eval), ("last", last_eval)):
-        print(f"{name} eval: " + ", ".join(f"{k}={v:.3f}" for k, v in ev.items() if "/vs_" not in k))
-    print_learning(summary["learning"])
-    return summary
+    return write_summary(run_dir, args, time.time() - t_start, first_eval, last_eval, "eval/goal_score",
+                         eval_history=history)
 
 
 if __name__ == "__main__":

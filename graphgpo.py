@@ -695,6 +695,40 @@ def iteration_row(episodes, samples, ustats, cstats, t_roll, t_credit, t_upd, t_
     return row
 
 
+def start_run(args, resolved):
+    """The run directory, its config.json (every Args field and the values resolved at run time) and its
+    Logger."""
+    run_dir = Path(args.output_dir) / f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    print(f"run dir: {run_dir}")
+    (run_dir / "config.json").write_text(json.dumps({**asdict(args), **resolved}, indent=2))
+    return run_dir, Logger(run_dir, args.track)
+
+
+def eval_line(ev):
+    """An evaluation row as one printed line (its numbers, without the per-opponent breakdown)."""
+    return ", ".join(f"{k}={v:.3f}" for k, v in ev.items() if isinstance(v, float) and "/vs_" not in k)
+
+
+def write_summary(run_dir, args, wall_seconds, first_eval, last_eval, eval_metric, **extra):
+    """summary.json (the first and last evaluation, `extra`, the learning block), printed as well."""
+    summary = {
+        "run_dir": str(run_dir),
+        "iterations": args.num_iterations,
+        "wall_seconds": wall_seconds,
+        "first_eval": first_eval,
+        "last_eval": last_eval,
+        **extra,
+        "learning": learning_summary(first_eval, last_eval, eval_metric),
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print("summary: " + json.dumps({k: v for k, v in summary.items() if not isinstance(v, (dict, list))}))
+    for name, ev in (("first", first_eval), ("last", last_eval)):
+        print(f"{name} eval: " + eval_line(ev))
+    print_learning(summary["learning"])
+    return summary
+
+
 def mean_se(values) -> tuple[float, float]:
     """Mean and standard error (sample std / sqrt(n); 0 for fewer than two values) of per-episode values.
     For success flags this is the success rate p and about sqrt(p (1 - p) / n)."""
@@ -806,6 +840,14 @@ def check_args(args):
     return omega
 
 
+def seed_everything(seed):
+    """Seeds python, numpy and torch; returns the numpy generator that draws the run's tasks and batches."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    return np.random.default_rng(seed)
+
+
 def main(args: Args):
     from common.models import load_policy, policy_defaults
 
@@ -813,10 +855,7 @@ def main(args: Args):
     if args.torch_threads > 0:
         torch.set_num_threads(args.torch_threads)
     omega = check_args(args)
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    rng = np.random.default_rng(args.seed)
+    rng = seed_everything(args.seed)
 
     # a tiny policy was trained on prompts rendered with its recipe's env options: use the same ones
     defaults = policy_defaults(args.model_name, args.env_id, args.tiny_preset, learning_rate=1e-5, max_new_tokens=512)
@@ -837,13 +876,10 @@ def main(args: Args):
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=args.weight_decay)
 
-    run_dir = Path(args.output_dir) / f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    print(f"run dir: {run_dir}")
-    config = {**asdict(args), "resolved_learning_rate": lr, "resolved_omega": omega, "resolved_max_new_tokens": max_new,
-              "max_turns_resolved": probe.max_turns, "env_kwargs": env_kwargs, "num_train_tasks": len(train_tasks), "num_test_tasks": len(test_tasks)}
-    (run_dir / "config.json").write_text(json.dumps(config, indent=2))
-    logger = Logger(run_dir, args.track)
+    run_dir, logger = start_run(args, {"resolved_learning_rate": lr, "resolved_omega": omega,
+                                       "resolved_max_new_tokens": max_new, "max_turns_resolved": probe.max_turns,
+                                       "env_kwargs": env_kwargs, "num_train_tasks": len(train_tasks),
+                                       "num_test_tasks": len(test_tasks)})
 
     def run_eval(it):
         t0 = time.time()
@@ -855,7 +891,7 @@ def main(args: Args):
     first_eval = run_eval(0)
     logger.log(0, first_eval)
     last_eval = first_eval
-    print("eval before training: " + ", ".join(f"{k}={v:.3f}" for k, v in first_eval.items()))
+    print("eval before training: " + eval_line(first_eval))
 
     G = args.group_size
     bar = tqdm(range(1, args.num_iterations + 1), desc=f"graphgpo[{args.step_advantage}]", dynamic_ncols=True)
@@ -889,21 +925,8 @@ def main(args: Args):
         logger.log(args.num_iterations, last_eval)
     if args.save_model:
         save_adapter(model, run_dir)
-    summary = {
-        "run_dir": str(run_dir),
-        "step_advantage": args.step_advantage,
-        "iterations": args.num_iterations,
-        "wall_seconds": time.time() - t_start,
-        "first_eval": first_eval,
-        "last_eval": last_eval,
-        "learning": learning_summary(first_eval, last_eval, "eval/success"),
-    }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    print("summary: " + json.dumps({k: v for k, v in summary.items() if k not in ("first_eval", "last_eval", "learning")}))
-    for name, ev in (("first", first_eval), ("last", last_eval)):
-        print(f"{name} eval: " + ", ".join(f"{k}={v:.3f}" for k, v in ev.items()))
-    print_learning(summary["learning"])
-    return summary
+    return write_summary(run_dir, args, time.time() - t_start, first_eval, last_eval, "eval/success",
+                         step_advantage=args.step_advantage)
 
 
 if __name__ == "__main__":

@@ -277,7 +277,6 @@ def compute_advantages(samples, outcomes, traj_group, step_r, tok_r, args):
         r_in = step_r.double()
         r_in = normalize_step_rewards(r_in) if args.step_reward_norm == "batch_max_abs" else r_in
         adv = istar_advantages(outcomes, traj_group, r_in, traj_index, args.alpha, args.estimator, args.adv_eps)
-        adv_e = istar_advantages(outcomes, traj_group, r_in, traj_index, 0.0, args.estimator, args.adv_eps)
         for x, a in zip(samples, adv.tolist()):
             x["adv"] = torch.full((len(x["completion"]),), a)
     else:
@@ -285,16 +284,13 @@ def compute_advantages(samples, outcomes, traj_group, step_r, tok_r, args):
         flat = normalize_step_rewards(flat) if args.step_reward_norm == "batch_max_abs" else flat
         tok_traj = torch.cat([torch.full((len(x["completion"]),), x["traj"]) for x in samples])
         adv = istar_advantages(outcomes, traj_group, flat, tok_traj, args.alpha, args.estimator, args.adv_eps)
-        adv_e = istar_advantages(outcomes, traj_group, flat, tok_traj, 0.0, args.estimator, args.adv_eps)
         pos = 0
         for x in samples:
             c = len(x["completion"])
             x["adv"] = adv[pos:pos + c].float()
             pos += c
     advs = torch.cat([x["adv"] for x in samples]) if samples else torch.zeros(0)
-    return {"credit/adv_abs_mean": float(advs.abs().mean()) if len(advs) else 0.0,
-            "credit/adv_episode_abs_mean": float(adv_e.abs().mean()) if len(adv_e) else 0.0,
-            "credit/adv_step_abs_mean": float((adv - adv_e).abs().mean()) if len(adv) else 0.0}
+    return {"credit/adv_abs_mean": float(advs.abs().mean()) if len(advs) else 0.0}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -466,6 +462,17 @@ def token_logprobs(model, tok, samples, adapter, micro_batch_size, temperature=1
     return out
 
 
+def training_samples(model, tok, episodes, args):
+    """One sample per step (prompt, completion, trajectory, group, turn) with π_θold's token log-probs."""
+    samples = [{"prompt": ep.prompts[t], "completion": ep.completions[t], "traj": ep.traj_id,
+                "group": ep.group_id, "turn": t}
+               for ep in episodes for t in range(ep.length)]
+    old = token_logprobs(model, tok, samples, "default", args.micro_batch_size, args.temperature)
+    for x, o in zip(samples, old):
+        x["old"] = o
+    return samples
+
+
 def prm_update(model, tok, optimizer, samples, traj_success, traj_group, args):
     """One optimizer step of the PRM adapter on the trajectory-DPO loss (Eq. 2), in two passes.
 
@@ -619,19 +626,85 @@ def evaluate(model, tok, new_env, tasks, args, max_new_tokens):
     return out, records
 
 
+def iteration_row(episodes, samples, traj_success, step_r, pstats, ustats, cstats, t_roll, t_old, t_prm, t_upd):
+    """The metrics of one iteration: training rollouts, losses, credit (PRM statistics when `pstats`
+    is given, i.e. the PRM is in use) and seconds per phase."""
+    n_steps = sum(ep.length for ep in episodes)
+    row = {
+        "charts/success": float(np.mean([ep.success for ep in episodes])),
+        "charts/return": float(np.mean([ep.env_return for ep in episodes])),
+        "charts/episode_length": float(np.mean([ep.length for ep in episodes])),
+        "charts/invalid_rate": float(sum(sum(ep.invalid) for ep in episodes) / max(n_steps, 1)),
+        "charts/positive_frac": float(traj_success.float().mean()),
+        "losses/policy_loss": ustats["loss"],
+        "losses/approx_kl": ustats["kl"],
+        "losses/clip_frac": ustats["clipfrac"],
+        "losses/grad_norm": ustats["grad_norm"],
+        **cstats,
+        "perf/rollout_seconds": t_roll,
+        "perf/old_logprob_seconds": t_old,
+        "perf/prm_seconds": t_prm,
+        "perf/update_seconds": t_upd,
+        "perf/samples": len(samples),
+        "perf/tokens_per_second": sum(len(x["completion"]) for x in samples) / max(t_roll, 1e-9),
+    }
+    if pstats is not None:
+        succ_steps = traj_success[torch.tensor([x["traj"] for x in samples], dtype=torch.long)]
+        r_np = step_r.double().numpy()
+        row.update({f"credit/{k}": v for k, v in pstats.items()})
+        row["credit/step_reward_mean"] = float(r_np.mean()) if len(r_np) else 0.0
+        row["credit/step_reward_abs_mean"] = float(np.abs(r_np).mean()) if len(r_np) else 0.0
+        row["credit/step_reward_success_mean"] = float(r_np[succ_steps.numpy()].mean()) if bool(succ_steps.any()) else float("nan")
+        row["credit/step_reward_failure_mean"] = float(r_np[~succ_steps.numpy()].mean()) if bool((~succ_steps).any()) else float("nan")
+    if torch.cuda.is_available():
+        row["perf/peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    return row
+
+
 def adapter_params(model, adapter):
     """The LoRA parameters of one named adapter (by name, independent of which adapter is active)."""
     return [p for n, p in model.named_parameters() if "lora_" in n and f".{adapter}." in n]
 
 
-def pearson(x, y):
-    """Pearson correlation over the finite pairs; nan when fewer than 3 or a constant side."""
-    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
-    ok = np.isfinite(x) & np.isfinite(y)
-    x, y = x[ok], y[ok]
-    if len(x) < 3 or x.std() == 0 or y.std() == 0:
-        return float("nan")
-    return float(np.corrcoef(x, y)[0, 1])
+def step_reward_record(episodes, step_r):
+    """Every step's implicit reward and change of env progress (null where unknown), in step order, for
+    samples.jsonl; benchmarks/istar_bench.py correlates them."""
+    return {"tag": "train_step_rewards", "step_reward": step_r.double().tolist(),
+            "progress_delta": [d if math.isfinite(d) else None for ep in episodes for d in ep.progress_delta]}
+
+
+def start_run(args, resolved):
+    """The run directory, its config.json (every Args field and the values resolved at run time) and its
+    Logger."""
+    run_dir = Path(args.output_dir) / f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    print(f"run dir: {run_dir}")
+    (run_dir / "config.json").write_text(json.dumps({**asdict(args), **resolved}, indent=2))
+    return run_dir, Logger(run_dir, args.track)
+
+
+def eval_line(ev):
+    """An evaluation row as one printed line (its numbers, without the per-opponent breakdown)."""
+    return ", ".join(f"{k}={v:.3f}" for k, v in ev.items() if isinstance(v, float) and "/vs_" not in k)
+
+
+def write_summary(run_dir, args, wall_seconds, first_eval, last_eval, eval_metric, **extra):
+    """summary.json (the first and last evaluation, `extra`, the learning block), printed as well."""
+    summary = {
+        "run_dir": str(run_dir),
+        "iterations": args.num_iterations,
+        "wall_seconds": wall_seconds,
+        "first_eval": first_eval,
+        "last_eval": last_eval,
+        **extra,
+        "learning": learning_summary(first_eval, last_eval, eval_metric),
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print("summary: " + json.dumps({k: v for k, v in summary.items() if not isinstance(v, (dict, list))}))
+    for name, ev in (("first", first_eval), ("last", last_eval)):
+        print(f"{name} eval: " + eval_line(ev))
+    print_learning(summary["learning"])
+    return summary
 
 
 def mean_se(values) -> tuple[float, float]:
@@ -732,22 +805,33 @@ def make_env(args):
     return make, probe, defaults
 
 
-def main(args: Args):
-    from common.models import UserError, add_adapter, load_policy
+def check_args(args):
+    from common.models import UserError
 
-    t_start = time.time()
-    if args.torch_threads > 0:
-        torch.set_num_threads(args.torch_threads)
     if args.group_size < 2:
         raise UserError("--group-size must be >= 2 (RLOO/GRPO compare trajectories of the same task)")
     if args.tasks_per_iteration < 1 or args.num_iterations < 0 or args.micro_batch_size < 1:
         raise UserError("--tasks-per-iteration and --micro-batch-size must be >= 1, --num-iterations >= 0")
     if args.beta <= 0:
         raise UserError("--beta must be > 0 (it scales the implicit reward, paper: 0.05)")
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    rng = np.random.default_rng(args.seed)
+
+
+def seed_everything(seed):
+    """Seeds python, numpy and torch; returns the numpy generator that draws the run's tasks and batches."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    return np.random.default_rng(seed)
+
+
+def main(args: Args):
+    from common.models import add_adapter, load_policy
+
+    t_start = time.time()
+    if args.torch_threads > 0:
+        torch.set_num_threads(args.torch_threads)
+    check_args(args)
+    rng = seed_everything(args.seed)
 
     new_env, probe, defaults = make_env(args)
     train_tasks = list(probe.task_ids("train"))
@@ -773,14 +857,8 @@ def main(args: Args):
     optimizer = torch.optim.AdamW(pol_params, lr=lr, weight_decay=args.weight_decay)
     prm_optimizer = torch.optim.AdamW(prm_params, lr=prm_lr, weight_decay=args.weight_decay)
 
-    run_dir = Path(args.output_dir) / f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    print(f"run dir: {run_dir}")
-    (run_dir / "config.json").write_text(json.dumps({**asdict(args), "resolved_learning_rate": lr,
-                                                     "resolved_prm_learning_rate": prm_lr,
-                                                     "resolved_max_new_tokens": max_new,
-                                                     "resolved_positive_threshold": threshold}, indent=2))
-    logger = Logger(run_dir, args.track)
+    run_dir, logger = start_run(args, {"resolved_learning_rate": lr, "resolved_prm_learning_rate": prm_lr,
+                                       "resolved_max_new_tokens": max_new, "resolved_positive_threshold": threshold})
 
     def run_eval(it):
         t0 = time.time()
@@ -792,12 +870,11 @@ def main(args: Args):
     first_eval = run_eval(0)
     logger.log(0, first_eval)
     last_eval = first_eval
-    print("eval before training: " + ", ".join(f"{k}={v:.3f}" for k, v in first_eval.items()))
+    print("eval before training: " + eval_line(first_eval))
 
     N = args.group_size
     bar = tqdm(range(1, args.num_iterations + 1), desc="istar", dynamic_ncols=True)
     for it in bar:
-        row = {}
         t0 = time.time()
         chosen = rng.choice(len(train_tasks), size=args.tasks_per_iteration,
                             replace=len(train_tasks) < args.tasks_per_iteration)
@@ -806,14 +883,8 @@ def main(args: Args):
         episodes = rollout(model, tok, new_env, tasks, groups, args.temperature, max_new)
         t_roll = time.time() - t0
 
-        # samples (one per step) and π_θold log-probs
         t1 = time.time()
-        samples = [{"prompt": ep.prompts[t], "completion": ep.completions[t], "traj": ep.traj_id,
-                    "group": ep.group_id, "turn": t, "dprog": ep.progress_delta[t]}
-                   for ep in episodes for t in range(ep.length)]
-        old = token_logprobs(model, tok, samples, "default", args.micro_batch_size, args.temperature)
-        for x, o in zip(samples, old):
-            x["old"] = o
+        samples = training_samples(model, tok, episodes, args)  # one per step, with π_θold log-probs
         t_old = time.time() - t1
 
         # PRM: pre-update implicit step rewards (Eq. 1), then one trajectory-DPO step (Eq. 2)
@@ -827,45 +898,15 @@ def main(args: Args):
             tok_r, step_r, pstats = None, torch.zeros(len(samples)), {}
         t_prm = time.time() - t2
 
-        # advantages (Eq. 3-5)
-        traj_index = torch.tensor([x["traj"] for x in samples], dtype=torch.long)
-        cstats = compute_advantages(samples, outcomes, traj_group, step_r, tok_r, args)
+        cstats = compute_advantages(samples, outcomes, traj_group, step_r, tok_r, args)  # Eq. 3-5
 
-        # policy update (Eq. 6)
         t3 = time.time()
-        ustats = update(model, tok, optimizer, samples, args, rng)
+        ustats = update(model, tok, optimizer, samples, args, rng)  # Eq. 6
         t_upd = time.time() - t3
 
-        n_steps = sum(ep.length for ep in episodes)
-        row.update({
-            "charts/success": float(np.mean([ep.success for ep in episodes])),
-            "charts/return": float(np.mean([ep.env_return for ep in episodes])),
-            "charts/episode_length": float(np.mean([ep.length for ep in episodes])),
-            "charts/invalid_rate": float(sum(sum(ep.invalid) for ep in episodes) / max(n_steps, 1)),
-            "charts/positive_frac": float(traj_success.float().mean()),
-            "losses/policy_loss": ustats["loss"],
-            "losses/approx_kl": ustats["kl"],
-            "losses/clip_frac": ustats["clipfrac"],
-            "losses/grad_norm": ustats["grad_norm"],
-            **cstats,
-            "perf/rollout_seconds": t_roll,
-            "perf/old_logprob_seconds": t_old,
-            "perf/prm_seconds": t_prm,
-            "perf/update_seconds": t_upd,
-            "perf/samples": len(samples),
-            "perf/tokens_per_second": sum(len(x["completion"]) for x in samples) / max(t_roll, 1e-9),
-        })
-        if use_prm:
-            succ_steps = traj_success[traj_index]
-            r_np = step_r.double().numpy()
-            row.update({f"credit/{k}": v for k, v in pstats.items()})
-            row["credit/step_reward_mean"] = float(r_np.mean()) if len(r_np) else 0.0
-            row["credit/step_reward_abs_mean"] = float(np.abs(r_np).mean()) if len(r_np) else 0.0
-            row["credit/step_reward_success_mean"] = float(r_np[succ_steps.numpy()].mean()) if bool(succ_steps.any()) else float("nan")
-            row["credit/step_reward_failure_mean"] = float(r_np[~succ_steps.numpy()].mean()) if bool((~succ_steps).any()) else float("nan")
-            row["credit/step_reward_progress_corr"] = pearson(r_np, [x["dprog"] for x in samples])
-        if torch.cuda.is_available():
-            row["perf/peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        row = iteration_row(episodes, samples, traj_success, step_r, pstats if use_prm else None, ustats, cstats,
+                            t_roll, t_old, t_prm, t_upd)
+        logger.log_samples(it, [step_reward_record(episodes, step_r)] if use_prm else [])
         if args.eval_every and (it % args.eval_every == 0 or it == args.num_iterations):
             last_eval = run_eval(it)
             row.update(last_eval)
@@ -880,20 +921,7 @@ def main(args: Args):
         logger.log(args.num_iterations, last_eval)
     if args.save_model:
         save_adapters(model, run_dir)
-    summary = {
-        "run_dir": str(run_dir),
-        "iterations": args.num_iterations,
-        "wall_seconds": time.time() - t_start,
-        "first_eval": first_eval,
-        "last_eval": last_eval,
-        "learning": learning_summary(first_eval, last_eval, "eval/success"),
-    }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    print("summary: " + json.dumps({k: v for k, v in summary.items() if k not in ("first_eval", "last_eval", "learning")}))
-    for name, ev in (("first", first_eval), ("last", last_eval)):
-        print(f"{name} eval: " + ", ".join(f"{k}={v:.3f}" for k, v in ev.items()))
-    print_learning(summary["learning"])
-    return summary
+    return write_summary(run_dir, args, time.time() - t_start, first_eval, last_eval, "eval/success")
 
 
 if __name__ == "__main__":

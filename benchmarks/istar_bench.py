@@ -58,8 +58,32 @@ def load_runs(out_dir):
             continue
         cfg = json.loads((d / "config.json").read_text())
         rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        add_progress_corr(rows, d / "samples.jsonl")
         runs[(mode_of(cfg), cfg["seed"])] = (cfg, rows, json.loads((d / "summary.json").read_text()))
     return runs
+
+
+def pearson(x, y):
+    """Pearson correlation over the finite pairs; nan when fewer than 3 or a constant side."""
+    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    ok = np.isfinite(x) & np.isfinite(y)
+    x, y = x[ok], y[ok]
+    if len(x) < 3 or x.std() == 0 or y.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(x, y)[0, 1])
+
+
+def add_progress_corr(rows, samples_path):
+    """credit/step_reward_progress_corr of every iteration with the PRM: the Pearson correlation, over all
+    steps of the iteration, of the step's implicit reward with its change of env progress (istar.py writes
+    both to samples.jsonl; the first step of an episode has no progress before it and is left out)."""
+    by_it = {r["iteration"]: r for r in rows}
+    for line in samples_path.read_text().splitlines() if samples_path.is_file() else []:
+        rec = json.loads(line)
+        if rec.get("tag") == "train_step_rewards" and rec["iteration"] in by_it:
+            prog = [np.nan if d is None else d for d in rec["progress_delta"]]
+            c = pearson(rec["step_reward"], prog)
+            by_it[rec["iteration"]]["credit/step_reward_progress_corr"] = c if np.isfinite(c) else None
 
 
 def fmt(vals, digits=3):
