@@ -87,10 +87,10 @@ class Args:
     """activation checkpointing in the training forward (saves GPU memory on real models)"""
     max_new_tokens: Optional[int] = None
     """most tokens generated per turn; None: 50 (official) for a real model, 24 for the tiny policy"""
-    temperature: float = 1.0
-    """sampling temperature of the rollouts (paper: 1.0)"""
-    eval_temperature: float = 1.0
-    """sampling temperature of the sampled evaluation (greedy is evaluated as well)"""
+    temperature: Optional[float] = None
+    """sampling temperature of the rollouts; None: 1.0 (paper), the tiny policy's RL temperature (20Q: 1.3)"""
+    eval_temperature: Optional[float] = None
+    """sampling temperature of the sampled evaluation (greedy is evaluated as well); None: --temperature's"""
 
     # environment
     env_id: str = "twenty_questions"
@@ -103,9 +103,9 @@ class Args:
     """extra out-of-distribution evaluation env, e.g. guess_my_city ('' : none)"""
     eval_max_turns: int = 0
     """question budget at evaluation (0: max_turns; the paper's interaction scaling uses 50)"""
-    eval_num_tasks: int = 12
+    eval_num_tasks: int = 0
     """test targets per evaluation (0: all test targets of the env)"""
-    eval_k: int = 4
+    eval_k: int = 5
     """sampled games per test target (success = mean over them, pass@k = any of them)"""
     eval_every: int = 8
     """evaluate every this many iterations (and before training and at the end)"""
@@ -117,14 +117,14 @@ class Args:
     # algorithm
     reward_mode: Literal["delta", "starpo"] = "delta"
     """'delta': ΔBelief turn rewards + turn-wise GRPO; 'starpo': trajectory-level GRPO (baseline)"""
-    num_iterations: int = 8
+    num_iterations: int = 16
     """training iterations (rollout + update)"""
-    tasks_per_iteration: int = 2
+    tasks_per_iteration: int = 4
     """distinct secrets per iteration (official: 240 on GPUs)"""
-    group_size: int = 16
-    """G: games per secret, the GRPO group (paper: 16)"""
+    group_size: int = 8
+    """G: games per secret, the GRPO group (paper: 16; 8 here so that an iteration covers 4 secrets)"""
     learning_rate: Optional[float] = None
-    """AdamW learning rate; None: 3e-5 (paper) for a real model, 5e-4 for the tiny policy"""
+    """AdamW learning rate; None: 3e-5 (paper) for a real model, 1e-4 for the tiny policy (docs/learning.md)"""
     adam_betas: tuple[float, float] = (0.9, 0.95)
     """AdamW betas (official)"""
     weight_decay: float = 0.01
@@ -869,7 +869,8 @@ def main(args: Args):
     rng = seed_everything(args.seed)
 
     # a tiny policy was trained on prompts rendered with its recipe's env options: use the same ones
-    defaults = policy_defaults(args.model_name, args.env_id, args.tiny_preset, learning_rate=3e-5, max_new_tokens=50)
+    defaults = policy_defaults(args.model_name, args.env_id, args.tiny_preset, learning_rate=3e-5, max_new_tokens=50,
+                               tiny_learning_rate=1e-4)
     env_kwargs, is_tiny = dict(defaults.env_kwargs), defaults.is_tiny
     if args.history is not None:
         env_kwargs["history"] = args.history
@@ -880,6 +881,10 @@ def main(args: Args):
     belief_message = belief_message_for(args.belief_template, probe, is_tiny)
     if args.max_new_tokens is None:
         args.max_new_tokens = defaults.max_new_tokens
+    if args.temperature is None:  # the tiny 20Q policy samples at 1.3 (common.tiny.RL_TEMPERATURE)
+        args.temperature = defaults.temperature
+    if args.eval_temperature is None:
+        args.eval_temperature = args.temperature
     train_tasks = list(probe.task_ids("train"))
     test_tasks = list(probe.task_ids("test"))
     if args.eval_num_tasks:

@@ -158,6 +158,7 @@ class PolicyDefaults:
     env_kwargs: dict
     learning_rate: float
     max_new_tokens: int
+    temperature: float = 1.0
 
 
 def tiny_recipe(model_name_or_path: str, env_id: str, tiny_preset: str = "default",
@@ -182,20 +183,27 @@ def tiny_recipe(model_name_or_path: str, env_id: str, tiny_preset: str = "defaul
 
 def policy_defaults(model_name_or_path: str, env_id: str, tiny_preset: str = "default",
                     tiny_overrides: Optional[dict] = None, *, learning_rate: float,
-                    max_new_tokens: int) -> PolicyDefaults:
+                    max_new_tokens: int, tiny_learning_rate: Optional[float] = None) -> PolicyDefaults:
     """The defaults that depend on the model, decided the same way by every method file.
 
     A tiny policy ("tiny", or a directory holding a tiny_meta.json) saw prompts rendered with its
     recipe's `env_kwargs` (e.g. Sokoban without instruction text), so the run's envs take them (none
-    when it was built for another env); it writes at most its recipe's `max_new_tokens` and learns at
-    TINY_LEARNING_RATE. Any other model: no env options, and the method's real-model `learning_rate`
-    and `max_new_tokens`, which the caller passes. A bad env id or preset -> UserError."""
+    when it was built for another env); it writes at most its recipe's `max_new_tokens`, learns at
+    `tiny_learning_rate` (default TINY_LEARNING_RATE) and samples at `common.tiny.RL_TEMPERATURE` of its
+    env (1.0 if not listed). Any other model: no env options, temperature 1.0, and the method's
+    real-model `learning_rate` and `max_new_tokens`, which the caller passes. A bad env id or preset ->
+    UserError."""
     recipe = tiny_recipe(model_name_or_path, env_id, tiny_preset, tiny_overrides)
     if recipe is None:
         return PolicyDefaults(False, {}, float(learning_rate), int(max_new_tokens))
+    from common.tiny import RL_TEMPERATURE
+
     same_env = recipe.get("env_id", env_id) == env_id
-    return PolicyDefaults(True, dict(recipe.get("env_kwargs") or {}) if same_env else {}, TINY_LEARNING_RATE,
-                          int(recipe.get("max_new_tokens") or max_new_tokens))
+    default_preset = recipe.get("preset", "default") == "default"
+    return PolicyDefaults(is_tiny=True, env_kwargs=dict(recipe.get("env_kwargs") or {}) if same_env else {},
+                          learning_rate=float(tiny_learning_rate or TINY_LEARNING_RATE),
+                          max_new_tokens=int(recipe.get("max_new_tokens") or max_new_tokens),
+                          temperature=RL_TEMPERATURE.get(env_id, 1.0) if same_env and default_preset else 1.0)
 
 
 def _check_hub_reachable(repo_id: str) -> None:

@@ -49,7 +49,7 @@ def _update(name, mod, model, tok, prompts, comps, sign):
             x["old"], x["adv"] = o, torch.full_like(o, sign)
         mod.update(model, tok, torch.optim.AdamW(params, lr=1e-2), samples, args, rng)
     elif name == "delta_belief":
-        args = mod.Args(num_minibatches=1)
+        args = mod.Args(num_minibatches=1, temperature=1.0)
         samples = [{"prompt": p, "completion": c, "adv": sign, "traj": i % 3}
                    for i, (p, c) in enumerate(zip(prompts, comps))]
         mod.update(model, tok, torch.optim.AdamW(params, lr=1e-2), samples, args, rng)
