@@ -4,15 +4,12 @@ Paper: "Intrinsic Credit Assignment for Long Horizon Interaction" (ΔBelief-RL; 
 Auzina, Strüber, Hernández-Gutiérrez, Goel, Prabhu, Bethge; https://bethgelab.github.io/delta-belief-rl ;
 official code: https://github.com/bethgelab/delta-belief-rl
 
-Method. An information-seeking agent (the questioner of Twenty Questions) is rewarded only when it names
-the secret. ΔBelief-RL turns the agent's *own* belief in the secret into a dense per-turn signal: after
-every turn t it elicits b_t = log p_θ(target | history_t, "Is it '<target>'?") -- the log-probability the
-current policy assigns to the target's tokens when its next message would be the guess -- and rewards
-the turn with the clipped gain λ·max(b_t - b_{t-1}, 0) on top of the outcome and penalties. Advantages
-are normalised per turn across the G trajectories of the same target (turn-wise GRPO) and applied to
-that turn's tokens; the update is a clipped policy gradient with asymmetric clipping (DAPO's
-0.2 / 0.28), no KL term, token-mean aggregation. The baseline StarPO (``--reward-mode starpo``) is
-trajectory-level GRPO on the summed reward with the outcome on the last turn and no belief term.
+Method (docs/delta_belief.md, "Overview"). The questioner of Twenty Questions, rewarded only when it names
+the secret, gets its *own* belief as a dense signal: after every turn t, b_t = log p_θ(target | history_t,
+"Is it '<target>'?"), and the turn earns λ·max(b_t - b_{t-1}, 0) on top of outcome and penalties.
+Advantages are normalised per turn across the G games of a target (turn-wise GRPO); clipped policy
+gradient with DAPO's asymmetric clip (0.2 / 0.28), no KL, token-mean. The baseline StarPO
+(``--reward-mode starpo``) is trajectory-level GRPO on the summed reward, no belief term.
 
 Equations -> functions
 - Eq. 1  ΔBelief_t = log b_t - log b_{t-1}                               -> `turn_rewards` (delta)
@@ -304,14 +301,9 @@ def encode(tok, text: str) -> list:
 
 
 def locate_target(tok, message: str, target: str):
-    """Token ids of the elicitation `message` and a 0/1 mask over them marking the target's tokens.
-
-    The message is tokenised on its own (as the policy would generate it after the prompt). A token
-    belongs to the target if its character span overlaps the target's characters, so a token that BPE
-    merged across the boundary (e.g. `'cat` or `cat'`) still counts: it is the only way the model can
-    emit those characters there. Offsets come from the fast tokenizer; without one, spans come from
-    decoding growing prefixes. The ids are cut after the last target token (later tokens cannot change
-    the target's log-probability).
+    """Token ids of the elicitation `message` (tokenised on its own, cut after the target) and a 0/1 mask
+    marking the target's tokens: those whose character span overlaps the target, so a BPE merge such as
+    `'cat` still counts (docs/delta_belief.md, "Implementation details" 2).
     """
     start = message.rfind(target)  # the last occurrence: the target ends the message
     if not target or start < 0:
@@ -336,11 +328,9 @@ def locate_target(tok, message: str, target: str):
 
 @torch.no_grad()
 def elicit_beliefs(model, tok, messages_list, targets, template="Is it '{target}'?", micro_batch_size=64):
-    """b = Σ log p(target tokens | chat, "Is it '") for each (messages, target); no gradient.
-
-    The chat is rendered exactly as at sampling time (`render_prompt`), the elicitation message is the
-    next assistant turn, and only the target's tokens are scored (summed, no length normalisation).
-    """
+    """b = Σ log p(target tokens | chat, "Is it '") for each (messages, target); no gradient. The chat is
+    rendered as at sampling time, the message is the next assistant turn (docs/delta_belief.md,
+    "Implementation details" 1)."""
     if not messages_list:
         return np.zeros(0)
     prompts, comps, masks = [], [], []
@@ -399,11 +389,9 @@ def belief_message_for(template, env, is_tiny):
 
 def rollout(model, tok, new_env, task_ids, group_ids, args, temperature, belief_message, greedy=False,
             best_of_n=0, max_turns=None, with_beliefs=True):
-    """Play one game per task id, all envs stepped together: one batched generate per turn.
-
-    With `best_of_n` > 0 (evaluation, Fig. 3), n questions are sampled per game and turn, each is
-    answered by a deep copy of the env (the oracle), and the one with the largest belief gain is kept
-    (a question that wins the game is always kept).
+    """Play one game per task id, all envs stepped together: one batched generate per turn. With `best_of_n`
+    > 0 (evaluation, Fig. 3) the question with the largest belief gain of n is kept (docs/delta_belief.md,
+    "Implementation details" 11).
     """
     envs_, episodes = [], []
     for i, (task, g) in enumerate(zip(task_ids, group_ids)):
