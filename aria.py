@@ -3,20 +3,13 @@
 Paper: "ARIA: Training Language Agents with Intention-Driven Reward Aggregation", Yang et al., 2025;
 https://arxiv.org/abs/2506.00539 ; official code: https://github.com/rhyang2021/ARIA
 
-Method. In open-ended language games almost every sampled utterance is unique, so a binary outcome
-gives each (history, action) pair one noisy sample of its value. ARIA projects utterances into a small
-"intention space": every action (and every free-text observation) is embedded with a sentence encoder,
-one hierarchical agglomerative clustering (HAC) is built over all of them, and cutting it into k
-clusters maps each utterance to a label. A step's intention key is the label sequence of its history and
-its action, (c(a_1), c(o_1), ..., c(o_{t-1}), c(a_t)). Each step's return is the discounted outcome
-γ^(T-t)·R (R in [0, 1]); the aggregated reward of a step is the mean return of all steps that share its
-key. The granularity k is chosen by SplitScore (the mean change of the aggregated rewards from k to
-k + 1) with an automatic stopping rule (the smallest k whose next τ scores all stay below ε). The
-aggregated reward is the REINFORCE weight: loss = -mean over steps of (Σ_tokens log π(a_t|h_t))·Ã_t,
-a few epochs over the collected games, then a new batch of games with the updated policy (3 iterations
-in the paper). Two-player games (Bargaining, Negotiation) are played in self-play, both roles' moves are
-training data; single-agent games (Twenty Questions, Guess My City) are played against the env's oracle.
-`--no-aggregate` is the paper's ablation: REINFORCE on the raw discounted returns.
+Method (docs/aria.md, "Overview"). Utterances (actions and free-text observations) are embedded and
+clustered by one HAC cut into k clusters, the "intention space"; a step's key is the label sequence of its
+history and action. Each step's return γ^(T-t)·R is replaced by the mean return of all steps sharing its
+key, with k chosen by SplitScore and a stopping rule. That aggregated reward is the REINFORCE weight,
+loss = -mean over steps of (Σ_tokens log π(a_t|h_t))·Ã_t, a few epochs per batch of games (3 iterations in
+the paper). Two-player games are played in self-play (both roles train); single-agent games against the
+env's oracle. `--no-aggregate` is the paper's ablation: REINFORCE on the raw discounted returns.
 
 Equations -> functions
 - §3.3  R(h_t, a_t) = γ^(T-t) R                                   -> `discounted_returns`
