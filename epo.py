@@ -5,16 +5,12 @@ Xiaoqian Liu, Ke Wang, Yongbin Li, Yuchuan Wu, Wentao Ma, Aobo Kong, Fei Huang, 
 ACL 2025; https://arxiv.org/abs/2502.12486 ; official code: https://github.com/lxqpku/EPO
 (the method section is reconstructed from the official code: see docs/epo.md, "Reconstruction").
 
-Method. Only a strategist LLM^s (the policy, here one LoRA adapter) is trained. Each turn it writes a
-short strategy ("Strategy: ..." in at most 10 words in a social game; "Thought: ..." for WebShop and
-ALFWorld); a frozen agent LLM^d reads it in its prompt and writes the actual message or action, free to
-ignore it. Each iteration: collect episodes with the current strategist (self-chat in Negotiation: both
-parties have a strategist and an agent), ask a process reward model (PRM) which strategy turns were
-critical, give those reward 1 and the last turn the outcome score (scaled to [0, 1]), turn the discounted
-returns into per-turn weights normalised per trajectory by their largest absolute value, and train the
-strategist for a few epochs on the weighted log-likelihood of its own strategies (token mean within a
-turn, mean over turns): REINFORCE without baseline, KL or clipping. Repeat with the new strategist
-(iterative self-play).
+Method (docs/epo.md, "Overview"). Only a strategist (one LoRA adapter) is trained: each turn it writes a
+short strategy that a frozen agent reads before writing the actual message or action. Each iteration:
+collect episodes (self-chat in Negotiation), ask a process reward model (PRM) which strategy turns were
+critical (reward 1; the last turn the outcome in [0, 1]), normalise the discounted returns per trajectory
+by their max |G|, and train on the weighted log-likelihood of the strategies for a few epochs: REINFORCE
+without baseline, KL or clipping. Repeat with the new strategist (iterative self-play).
 
 Equations -> functions
 - r_t = 1[t critical]; r_T = S / S_max unless T is critical; G_t = Σ_k γ^(k-t) r_k;
