@@ -3,20 +3,13 @@
 Paper: "ARIA: Training Language Agents with Intention-Driven Reward Aggregation", Yang et al., 2025;
 https://arxiv.org/abs/2506.00539 ; official code: https://github.com/rhyang2021/ARIA
 
-Method. In open-ended language games almost every sampled utterance is unique, so a binary outcome
-gives each (history, action) pair one noisy sample of its value. ARIA projects utterances into a small
-"intention space": every action (and every free-text observation) is embedded with a sentence encoder,
-one hierarchical agglomerative clustering (HAC) is built over all of them, and cutting it into k
-clusters maps each utterance to a label. A step's intention key is the label sequence of its history and
-its action, (c(a_1), c(o_1), ..., c(o_{t-1}), c(a_t)). Each step's return is the discounted outcome
-γ^(T-t)·R (R in [0, 1]); the aggregated reward of a step is the mean return of all steps that share its
-key. The granularity k is chosen by SplitScore (the mean change of the aggregated rewards from k to
-k + 1) with an automatic stopping rule (the smallest k whose next τ scores all stay below ε). The
-aggregated reward is the REINFORCE weight: loss = -mean over steps of (Σ_tokens log π(a_t|h_t))·Ã_t,
-a few epochs over the collected games, then a new batch of games with the updated policy (3 iterations
-in the paper). Two-player games (Bargaining, Negotiation) are played in self-play, both roles' moves are
-training data; single-agent games (Twenty Questions, Guess My City) are played against the env's oracle.
-`--no-aggregate` is the paper's ablation: REINFORCE on the raw discounted returns.
+Method (docs/aria.md, "Overview"). Utterances (actions and free-text observations) are embedded and
+clustered by one HAC cut into k clusters, the "intention space"; a step's key is the label sequence of its
+history and action. Each step's return γ^(T-t)·R is replaced by the mean return of all steps sharing its
+key, with k chosen by SplitScore and a stopping rule. That aggregated reward is the REINFORCE weight,
+loss = -mean over steps of (Σ_tokens log π(a_t|h_t))·Ã_t, a few epochs per batch of games (3 iterations in
+the paper). Two-player games are played in self-play (both roles train); single-agent games against the
+env's oracle. `--no-aggregate` is the paper's ablation: REINFORCE on the raw discounted returns.
 
 Equations -> functions
 - §3.3  R(h_t, a_t) = γ^(T-t) R                                   -> `discounted_returns`
@@ -498,22 +491,14 @@ def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False):
         return []
     device = next(model.parameters()).device
     pad = tok.pad_token_id
-    L = max(len(p) for p in prompt_ids)
-    input_ids = torch.full((len(prompt_ids), L), pad, dtype=torch.long)
-    attn = torch.zeros((len(prompt_ids), L), dtype=torch.long)
-    for i, p in enumerate(prompt_ids):
-        input_ids[i, L - len(p):] = torch.tensor(p)
-        attn[i, L - len(p):] = 1
+    L, eos = max(len(p) for p in prompt_ids), tok.eos_token_id
+    input_ids = torch.tensor([[pad] * (L - len(p)) + list(p) for p in prompt_ids], dtype=torch.long, device=device)
+    attn = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompt_ids], dtype=torch.long, device=device)
     sample = not greedy and temperature > 0
     kw = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if sample else dict(do_sample=False)
-    out = model.generate(input_ids=input_ids.to(device), attention_mask=attn.to(device), max_new_tokens=max_new_tokens,
-                         pad_token_id=pad, eos_token_id=tok.eos_token_id, **kw)
-    comps = []
-    for row in out[:, L:].tolist():
-        if tok.eos_token_id in row:
-            row = row[: row.index(tok.eos_token_id) + 1]
-        comps.append(row)
-    return comps
+    out = model.generate(input_ids=input_ids, attention_mask=attn, max_new_tokens=max_new_tokens,
+                         pad_token_id=pad, eos_token_id=eos, **kw)
+    return [row[: row.index(eos) + 1] if eos in row else row for row in out[:, L:].tolist()]
 
 
 def rollout(model, tok, new_env, task_ids, args, temperature, greedy=False, selfplay=False):
@@ -579,29 +564,18 @@ def rollout(model, tok, new_env, task_ids, args, temperature, greedy=False, self
 # 4. Log-probs and loss
 # ----------------------------------------------------------------------------------------------
 def completion_logprobs(model, tok, prompt_ids, completion_ids, temperature=1.0):
-    """Per-token log-probs of the completions given the prompts, one left-padded forward with the
-    active adapter, under the sampling distribution softmax(logits / temperature) (as verl scores
-    rollouts: at a temperature other than 1 the raw logits would not describe the sampling policy).
-
-    Returns (logp [B, C_max], mask [B, C_max]); completions are right-aligned (row i's tokens are the
-    last len(completion_i) columns; an empty completion is an all-zero row). Only the last C_max + 1
-    positions' logits are computed (`logits_to_keep`), and log p = z[token] - logsumexp(z) with
-    z = logits / temperature (no full log-softmax).
-    """
+    """Per-token log-probs of the completions given the prompts (one left-padded forward, active adapter)
+    under softmax(logits / temperature), the sampling distribution (docs/design.md, "Shared blocks").
+    Returns (logp [B, C_max], mask [B, C_max]), completions right-aligned (an empty one is an all-zero row);
+    only the last C_max + 1 positions' logits are computed, log p = z[token] - logsumexp(z)."""
     device = next(model.parameters()).device
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     seqs = [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids)]
     L = max(len(s) for s in seqs)
     C = max(1, max(len(c) for c in completion_ids))
-    input_ids = torch.full((len(seqs), L), pad, dtype=torch.long)
-    attn = torch.zeros((len(seqs), L), dtype=torch.long)
-    cmask = torch.zeros((len(seqs), C), dtype=torch.float32)
-    for i, (s, c) in enumerate(zip(seqs, completion_ids)):
-        input_ids[i, L - len(s):] = torch.tensor(s)
-        attn[i, L - len(s):] = 1
-        if len(c):
-            cmask[i, C - len(c):] = 1.0
-    input_ids, attn, cmask = input_ids.to(device), attn.to(device), cmask.to(device)
+    input_ids = torch.tensor([[pad] * (L - len(s)) + s for s in seqs], dtype=torch.long, device=device)
+    attn = torch.tensor([[0] * (L - len(s)) + [1] * len(s) for s in seqs], dtype=torch.long, device=device)
+    cmask = torch.tensor([[0.0] * (C - len(c)) + [1.0] * len(c) for c in completion_ids], device=device)
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids,
                    logits_to_keep=C + 1).logits[:, :-1].float()
@@ -767,8 +741,7 @@ def iteration_row(episodes, samples, ustats, cstats, t_roll, t_upd, players=()):
 
 
 def start_run(args, resolved):
-    """The run directory, its config.json (every Args field and the values resolved at run time) and its
-    Logger."""
+    """The run directory, its config.json (every Args field, the values resolved at run time), its Logger."""
     run_dir = Path(args.output_dir) / f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
     run_dir.mkdir(parents=True, exist_ok=True)
     print(f"run dir: {run_dir}")
@@ -783,15 +756,9 @@ def eval_line(ev):
 
 def write_summary(run_dir, args, wall_seconds, first_eval, last_eval, eval_metric, **extra):
     """summary.json (the first and last evaluation, `extra`, the learning block), printed as well."""
-    summary = {
-        "run_dir": str(run_dir),
-        "iterations": args.num_iterations,
-        "wall_seconds": wall_seconds,
-        "first_eval": first_eval,
-        "last_eval": last_eval,
-        **extra,
-        "learning": learning_summary(first_eval, last_eval, eval_metric),
-    }
+    summary = {"run_dir": str(run_dir), "iterations": args.num_iterations, "wall_seconds": wall_seconds,
+               "first_eval": first_eval, "last_eval": last_eval, **extra,
+               "learning": learning_summary(first_eval, last_eval, eval_metric)}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print("summary: " + json.dumps({k: v for k, v in summary.items() if not isinstance(v, (dict, list))}))
     for name, ev in (("first", first_eval), ("last", last_eval)):

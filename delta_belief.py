@@ -4,15 +4,12 @@ Paper: "Intrinsic Credit Assignment for Long Horizon Interaction" (ΔBelief-RL; 
 Auzina, Strüber, Hernández-Gutiérrez, Goel, Prabhu, Bethge; https://bethgelab.github.io/delta-belief-rl ;
 official code: https://github.com/bethgelab/delta-belief-rl
 
-Method. An information-seeking agent (the questioner of Twenty Questions) is rewarded only when it names
-the secret. ΔBelief-RL turns the agent's *own* belief in the secret into a dense per-turn signal: after
-every turn t it elicits b_t = log p_θ(target | history_t, "Is it '<target>'?") -- the log-probability the
-current policy assigns to the target's tokens when its next message would be the guess -- and rewards
-the turn with the clipped gain λ·max(b_t - b_{t-1}, 0) on top of the outcome and penalties. Advantages
-are normalised per turn across the G trajectories of the same target (turn-wise GRPO) and applied to
-that turn's tokens; the update is a clipped policy gradient with asymmetric clipping (DAPO's
-0.2 / 0.28), no KL term, token-mean aggregation. The baseline StarPO (``--reward-mode starpo``) is
-trajectory-level GRPO on the summed reward with the outcome on the last turn and no belief term.
+Method (docs/delta_belief.md, "Overview"). The questioner of Twenty Questions, rewarded only when it names
+the secret, gets its *own* belief as a dense signal: after every turn t, b_t = log p_θ(target | history_t,
+"Is it '<target>'?"), and the turn earns λ·max(b_t - b_{t-1}, 0) on top of outcome and penalties.
+Advantages are normalised per turn across the G games of a target (turn-wise GRPO); clipped policy
+gradient with DAPO's asymmetric clip (0.2 / 0.28), no KL, token-mean. The baseline StarPO
+(``--reward-mode starpo``) is trajectory-level GRPO on the summed reward, no belief term.
 
 Equations -> functions
 - Eq. 1  ΔBelief_t = log b_t - log b_{t-1}                               -> `turn_rewards` (delta)
@@ -304,14 +301,9 @@ def encode(tok, text: str) -> list:
 
 
 def locate_target(tok, message: str, target: str):
-    """Token ids of the elicitation `message` and a 0/1 mask over them marking the target's tokens.
-
-    The message is tokenised on its own (as the policy would generate it after the prompt). A token
-    belongs to the target if its character span overlaps the target's characters, so a token that BPE
-    merged across the boundary (e.g. `'cat` or `cat'`) still counts: it is the only way the model can
-    emit those characters there. Offsets come from the fast tokenizer; without one, spans come from
-    decoding growing prefixes. The ids are cut after the last target token (later tokens cannot change
-    the target's log-probability).
+    """Token ids of the elicitation `message` (tokenised on its own, cut after the target) and a 0/1 mask
+    marking the target's tokens: those whose character span overlaps the target, so a BPE merge such as
+    `'cat` still counts (docs/delta_belief.md, "Implementation details" 2).
     """
     start = message.rfind(target)  # the last occurrence: the target ends the message
     if not target or start < 0:
@@ -336,11 +328,9 @@ def locate_target(tok, message: str, target: str):
 
 @torch.no_grad()
 def elicit_beliefs(model, tok, messages_list, targets, template="Is it '{target}'?", micro_batch_size=64):
-    """b = Σ log p(target tokens | chat, "Is it '") for each (messages, target); no gradient.
-
-    The chat is rendered exactly as at sampling time (`render_prompt`), the elicitation message is the
-    next assistant turn, and only the target's tokens are scored (summed, no length normalisation).
-    """
+    """b = Σ log p(target tokens | chat, "Is it '") for each (messages, target); no gradient. The chat is
+    rendered as at sampling time, the message is the next assistant turn (docs/delta_belief.md,
+    "Implementation details" 1)."""
     if not messages_list:
         return np.zeros(0)
     prompts, comps, masks = [], [], []
@@ -372,22 +362,14 @@ def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False):
         return []
     device = next(model.parameters()).device
     pad = tok.pad_token_id
-    L = max(len(p) for p in prompt_ids)
-    input_ids = torch.full((len(prompt_ids), L), pad, dtype=torch.long)
-    attn = torch.zeros((len(prompt_ids), L), dtype=torch.long)
-    for i, p in enumerate(prompt_ids):
-        input_ids[i, L - len(p):] = torch.tensor(p)
-        attn[i, L - len(p):] = 1
+    L, eos = max(len(p) for p in prompt_ids), tok.eos_token_id
+    input_ids = torch.tensor([[pad] * (L - len(p)) + list(p) for p in prompt_ids], dtype=torch.long, device=device)
+    attn = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompt_ids], dtype=torch.long, device=device)
     sample = not greedy and temperature > 0
     kw = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if sample else dict(do_sample=False)
-    out = model.generate(input_ids=input_ids.to(device), attention_mask=attn.to(device), max_new_tokens=max_new_tokens,
-                         pad_token_id=pad, eos_token_id=tok.eos_token_id, **kw)
-    comps = []
-    for row in out[:, L:].tolist():
-        if tok.eos_token_id in row:
-            row = row[: row.index(tok.eos_token_id) + 1]
-        comps.append(row)
-    return comps
+    out = model.generate(input_ids=input_ids, attention_mask=attn, max_new_tokens=max_new_tokens,
+                         pad_token_id=pad, eos_token_id=eos, **kw)
+    return [row[: row.index(eos) + 1] if eos in row else row for row in out[:, L:].tolist()]
 
 
 def decode_action(tok, completion) -> str:
@@ -407,11 +389,9 @@ def belief_message_for(template, env, is_tiny):
 
 def rollout(model, tok, new_env, task_ids, group_ids, args, temperature, belief_message, greedy=False,
             best_of_n=0, max_turns=None, with_beliefs=True):
-    """Play one game per task id, all envs stepped together: one batched generate per turn.
-
-    With `best_of_n` > 0 (evaluation, Fig. 3), n questions are sampled per game and turn, each is
-    answered by a deep copy of the env (the oracle), and the one with the largest belief gain is kept
-    (a question that wins the game is always kept).
+    """Play one game per task id, all envs stepped together: one batched generate per turn. With `best_of_n`
+    > 0 (evaluation, Fig. 3) the question with the largest belief gain of n is kept (docs/delta_belief.md,
+    "Implementation details" 11).
     """
     envs_, episodes = [], []
     for i, (task, g) in enumerate(zip(task_ids, group_ids)):
@@ -483,29 +463,18 @@ def rollout(model, tok, new_env, task_ids, group_ids, args, temperature, belief_
 # 4. Log-probs and loss
 # ----------------------------------------------------------------------------------------------
 def completion_logprobs(model, tok, prompt_ids, completion_ids, temperature=1.0):
-    """Per-token log-probs of the completions given the prompts, one left-padded forward with the
-    active adapter, under the sampling distribution softmax(logits / temperature) (as verl scores
-    rollouts: at a temperature other than 1 the raw logits would not describe the sampling policy).
-
-    Returns (logp [B, C_max], mask [B, C_max]); completions are right-aligned (row i's tokens are the
-    last len(completion_i) columns; an empty completion is an all-zero row). Only the last C_max + 1
-    positions' logits are computed (`logits_to_keep`), and log p = z[token] - logsumexp(z) with
-    z = logits / temperature (no full log-softmax).
-    """
+    """Per-token log-probs of the completions given the prompts (one left-padded forward, active adapter)
+    under softmax(logits / temperature), the sampling distribution (docs/design.md, "Shared blocks").
+    Returns (logp [B, C_max], mask [B, C_max]), completions right-aligned (an empty one is an all-zero row);
+    only the last C_max + 1 positions' logits are computed, log p = z[token] - logsumexp(z)."""
     device = next(model.parameters()).device
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     seqs = [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids)]
     L = max(len(s) for s in seqs)
     C = max(1, max(len(c) for c in completion_ids))
-    input_ids = torch.full((len(seqs), L), pad, dtype=torch.long)
-    attn = torch.zeros((len(seqs), L), dtype=torch.long)
-    cmask = torch.zeros((len(seqs), C), dtype=torch.float32)
-    for i, (s, c) in enumerate(zip(seqs, completion_ids)):
-        input_ids[i, L - len(s):] = torch.tensor(s)
-        attn[i, L - len(s):] = 1
-        if len(c):
-            cmask[i, C - len(c):] = 1.0
-    input_ids, attn, cmask = input_ids.to(device), attn.to(device), cmask.to(device)
+    input_ids = torch.tensor([[pad] * (L - len(s)) + s for s in seqs], dtype=torch.long, device=device)
+    attn = torch.tensor([[0] * (L - len(s)) + [1] * len(s) for s in seqs], dtype=torch.long, device=device)
+    cmask = torch.tensor([[0.0] * (C - len(c)) + [1.0] * len(c) for c in completion_ids], device=device)
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids,
                    logits_to_keep=C + 1).logits[:, :-1].float()
@@ -667,8 +636,7 @@ def evaluate(model, tok, new_env, tasks, args, max_turns, prefix, belief_message
 
 
 def start_run(args, resolved):
-    """The run directory, its config.json (every Args field and the values resolved at run time) and its
-    Logger."""
+    """The run directory, its config.json (every Args field, the values resolved at run time), its Logger."""
     run_dir = Path(args.output_dir) / f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
     run_dir.mkdir(parents=True, exist_ok=True)
     print(f"run dir: {run_dir}")
@@ -683,15 +651,9 @@ def eval_line(ev):
 
 def write_summary(run_dir, args, wall_seconds, first_eval, last_eval, eval_metric, **extra):
     """summary.json (the first and last evaluation, `extra`, the learning block), printed as well."""
-    summary = {
-        "run_dir": str(run_dir),
-        "iterations": args.num_iterations,
-        "wall_seconds": wall_seconds,
-        "first_eval": first_eval,
-        "last_eval": last_eval,
-        **extra,
-        "learning": learning_summary(first_eval, last_eval, eval_metric),
-    }
+    summary = {"run_dir": str(run_dir), "iterations": args.num_iterations, "wall_seconds": wall_seconds,
+               "first_eval": first_eval, "last_eval": last_eval, **extra,
+               "learning": learning_summary(first_eval, last_eval, eval_metric)}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print("summary: " + json.dumps({k: v for k, v in summary.items() if not isinstance(v, (dict, list))}))
     for name, ev in (("first", first_eval), ("last", last_eval)):

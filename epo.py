@@ -5,16 +5,12 @@ Xiaoqian Liu, Ke Wang, Yongbin Li, Yuchuan Wu, Wentao Ma, Aobo Kong, Fei Huang, 
 ACL 2025; https://arxiv.org/abs/2502.12486 ; official code: https://github.com/lxqpku/EPO
 (the method section is reconstructed from the official code: see docs/epo.md, "Reconstruction").
 
-Method. Only a strategist LLM^s (the policy, here one LoRA adapter) is trained. Each turn it writes a
-short strategy ("Strategy: ..." in at most 10 words in a social game; "Thought: ..." for WebShop and
-ALFWorld); a frozen agent LLM^d reads it in its prompt and writes the actual message or action, free to
-ignore it. Each iteration: collect episodes with the current strategist (self-chat in Negotiation: both
-parties have a strategist and an agent), ask a process reward model (PRM) which strategy turns were
-critical, give those reward 1 and the last turn the outcome score (scaled to [0, 1]), turn the discounted
-returns into per-turn weights normalised per trajectory by their largest absolute value, and train the
-strategist for a few epochs on the weighted log-likelihood of its own strategies (token mean within a
-turn, mean over turns): REINFORCE without baseline, KL or clipping. Repeat with the new strategist
-(iterative self-play).
+Method (docs/epo.md, "Overview"). Only a strategist (one LoRA adapter) is trained: each turn it writes a
+short strategy that a frozen agent reads before writing the actual message or action. Each iteration:
+collect episodes (self-chat in Negotiation), ask a process reward model (PRM) which strategy turns were
+critical (reward 1; the last turn the outcome in [0, 1]), normalise the discounted returns per trajectory
+by their max |G|, and train on the weighted log-likelihood of the strategies for a few epochs: REINFORCE
+without baseline, KL or clipping. Repeat with the new strategist (iterative self-play).
 
 Equations -> functions
 - r_t = 1[t critical]; r_T = S / S_max unless T is critical; G_t = Σ_k γ^(k-t) r_k;
@@ -522,22 +518,14 @@ def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False):
         return []
     device = next(model.parameters()).device
     pad = tok.pad_token_id
-    L = max(len(p) for p in prompt_ids)
-    input_ids = torch.full((len(prompt_ids), L), pad, dtype=torch.long)
-    attn = torch.zeros((len(prompt_ids), L), dtype=torch.long)
-    for i, p in enumerate(prompt_ids):
-        input_ids[i, L - len(p):] = torch.tensor(p)
-        attn[i, L - len(p):] = 1
+    L, eos = max(len(p) for p in prompt_ids), tok.eos_token_id
+    input_ids = torch.tensor([[pad] * (L - len(p)) + list(p) for p in prompt_ids], dtype=torch.long, device=device)
+    attn = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompt_ids], dtype=torch.long, device=device)
     sample = not greedy and temperature > 0
     kw = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if sample else dict(do_sample=False)
-    out = model.generate(input_ids=input_ids.to(device), attention_mask=attn.to(device), max_new_tokens=max_new_tokens,
-                         pad_token_id=pad, eos_token_id=tok.eos_token_id, **kw)
-    comps = []
-    for row in out[:, L:].tolist():
-        if tok.eos_token_id in row:
-            row = row[: row.index(tok.eos_token_id) + 1]
-        comps.append(row)
-    return comps
+    out = model.generate(input_ids=input_ids, attention_mask=attn, max_new_tokens=max_new_tokens,
+                         pad_token_id=pad, eos_token_id=eos, **kw)
+    return [row[: row.index(eos) + 1] if eos in row else row for row in out[:, L:].tolist()]
 
 
 def decode(tok, ids) -> str:
@@ -677,29 +665,18 @@ def _prm_answer_ok(text) -> bool:
 # 4. Log-probs and loss
 # ----------------------------------------------------------------------------------------------
 def completion_logprobs(model, tok, prompt_ids, completion_ids, temperature=1.0):
-    """Per-token log-probs of the completions given the prompts, one left-padded forward with the
-    active adapter, under the sampling distribution softmax(logits / temperature) (as verl scores
-    rollouts: at a temperature other than 1 the raw logits would not describe the sampling policy).
-
-    Returns (logp [B, C_max], mask [B, C_max]); completions are right-aligned (row i's tokens are the
-    last len(completion_i) columns; an empty completion is an all-zero row). Only the last C_max + 1
-    positions' logits are computed (`logits_to_keep`), and log p = z[token] - logsumexp(z) with
-    z = logits / temperature (no full log-softmax).
-    """
+    """Per-token log-probs of the completions given the prompts (one left-padded forward, active adapter)
+    under softmax(logits / temperature), the sampling distribution (docs/design.md, "Shared blocks").
+    Returns (logp [B, C_max], mask [B, C_max]), completions right-aligned (an empty one is an all-zero row);
+    only the last C_max + 1 positions' logits are computed, log p = z[token] - logsumexp(z)."""
     device = next(model.parameters()).device
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     seqs = [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids)]
     L = max(len(s) for s in seqs)
     C = max(1, max(len(c) for c in completion_ids))
-    input_ids = torch.full((len(seqs), L), pad, dtype=torch.long)
-    attn = torch.zeros((len(seqs), L), dtype=torch.long)
-    cmask = torch.zeros((len(seqs), C), dtype=torch.float32)
-    for i, (s, c) in enumerate(zip(seqs, completion_ids)):
-        input_ids[i, L - len(s):] = torch.tensor(s)
-        attn[i, L - len(s):] = 1
-        if len(c):
-            cmask[i, C - len(c):] = 1.0
-    input_ids, attn, cmask = input_ids.to(device), attn.to(device), cmask.to(device)
+    input_ids = torch.tensor([[pad] * (L - len(s)) + s for s in seqs], dtype=torch.long, device=device)
+    attn = torch.tensor([[0] * (L - len(s)) + [1] * len(s) for s in seqs], dtype=torch.long, device=device)
+    cmask = torch.tensor([[0.0] * (C - len(c)) + [1.0] * len(c) for c in completion_ids], device=device)
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids,
                    logits_to_keep=C + 1).logits[:, :-1].float()
@@ -847,8 +824,7 @@ def evaluate(model, tok, make_game, tasks, players, styles, args):
 
 
 def start_run(args, resolved):
-    """The run directory, its config.json (every Args field and the values resolved at run time) and its
-    Logger."""
+    """The run directory, its config.json (every Args field, the values resolved at run time), its Logger."""
     run_dir = Path(args.output_dir) / f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
     run_dir.mkdir(parents=True, exist_ok=True)
     print(f"run dir: {run_dir}")
@@ -863,15 +839,9 @@ def eval_line(ev):
 
 def write_summary(run_dir, args, wall_seconds, first_eval, last_eval, eval_metric, **extra):
     """summary.json (the first and last evaluation, `extra`, the learning block), printed as well."""
-    summary = {
-        "run_dir": str(run_dir),
-        "iterations": args.num_iterations,
-        "wall_seconds": wall_seconds,
-        "first_eval": first_eval,
-        "last_eval": last_eval,
-        **extra,
-        "learning": learning_summary(first_eval, last_eval, eval_metric),
-    }
+    summary = {"run_dir": str(run_dir), "iterations": args.num_iterations, "wall_seconds": wall_seconds,
+               "first_eval": first_eval, "last_eval": last_eval, **extra,
+               "learning": learning_summary(first_eval, last_eval, eval_metric)}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print("summary: " + json.dumps({k: v for k, v in summary.items() if not isinstance(v, (dict, list))}))
     for name, ev in (("first", first_eval), ("last", last_eval)):

@@ -4,19 +4,12 @@ Paper: "Graph-based Group Policy Optimization for LLM agents" (GraphGPO), §4, A
 official code: https://github.com/langfengQ/verl-agent, `recipe/GraphGPO/` (commit 234a9136), which
 extends GiGPO (`gigpo/core_gigpo.py` in the same tree).
 
-Method. For each task, M trajectories are rolled out. All their states (deterministic observations
-without interaction history, `env.state_key()`) are merged into one directed graph: identical states
-become one node, each step adds the edge s_t -> s_{t+1}, and the last state of every successful
-trajectory is one shared goal node. A breadth-first search from the goal on the reversed graph gives
-every node its shortest unit-cost distance d(s) to the goal; nodes that cannot reach it get d_max + 1.
-A step is rewarded by how close its next state is to the goal, R = r_succ * omega^(d(s')+1), minus 0.1
-for an invalid action; the rewards of all steps that leave the same state are normalised within that
-state group (mean and unbiased std; a group of one gets 0). The episode-level GRPO advantage is added,
-A = beta_G * A^G + beta_E * A^E, and the policy is updated with a clipped policy-gradient objective,
-token-mean, plus a k3 KL penalty (coefficient 0.01) to the reference policy (the base model, LoRA
-disabled). `--step-advantage gigpo` swaps the graph reward for GiGPO's discounted return (gamma 0.95)
-in the same state groups; `--step-advantage none` is plain multi-turn GRPO (episode term only), so the
-same file, seeds and budget give both baselines.
+Method (docs/graphgpo.md, "Overview"). The states (`env.state_key()`) of a task's M trajectories are
+merged into one graph (identical states one node, the last state of every successful trajectory one
+shared goal node); a BFS from the goal gives every node its distance d(s) (unreachable: d_max + 1). A
+step is rewarded R = r_succ * omega^(d(s')+1) (minus 0.1 if invalid), normalised among the steps that
+leave the same state, plus the episode-level GRPO advantage; clipped policy gradient, token-mean, k3 KL
+(0.01) to the base model. `--step-advantage gigpo` / `none` give the GiGPO / multi-turn GRPO baselines.
 
 Equations -> functions
 - Eq. 3  d(s) = 0 at the goal, min over out-edges (1 + d(s')), d_max + 1 if unreachable -> `graph_distances`
@@ -43,7 +36,7 @@ import math
 import random
 import sys
 import time
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal, Optional
@@ -101,8 +94,7 @@ class Args:
     env_id: str = "sokoban"
     """training env (needs env.state_key(): sokoban, alfworld, webshop, ...)"""
     history: Optional[int] = None
-    """past (action, observation) pairs shown in the prompt; None: the policy's (a tiny policy's recipe, 0 on
-    Sokoban) or else the env's default (Sokoban: 2, as the paper)"""
+    """past (action, observation) pairs in the prompt; None: the tiny recipe's (Sokoban 0) or the env's (paper 2)"""
     max_turns: int = 0
     """most steps per episode (0: the env's default; paper: 15 Sokoban/WebShop, 50 ALFWorld)"""
     eval_num_tasks: int = 200
@@ -146,8 +138,7 @@ class Args:
     invalid_penalty: float = 0.1
     """subtracted from the step reward of an invalid action before normalisation (paper: 0.1)"""
     step_cost: float = 1.0
-    """unit cost c(s, a) in the exponent of Eq. 4, R = r_succ ω^(d(s') + c) (paper: 1; the official code: 0,
-    which scales the distance term by 1/ω against the invalid penalty)"""
+    """unit cost c in Eq. 4, R = r_succ ω^(d(s') + c) (paper: 1; official code: 0, docs/graphgpo.md "Deviations")"""
     beta_graph: float = 1.0
     """β_G, weight of the step-level advantage (paper: 1)"""
     beta_episode: float = 1.0
@@ -184,19 +175,15 @@ def graph_distances(transitions, goal):
         d(goal) = 0;  d(s) = min_{(s, s') in E} 1 + d(s');  d(s) = d_max + 1 if s cannot reach goal,
         d_max = max finite d over the graph (0 if only the goal reaches itself).
 
-    transitions: iterable of (s, s_next) pairs of hashable keys (all trajectories of one group).
-    Returns {node: distance} for every node in the pairs; when `goal` is absent, every node gets 1.
-    BFS from the goal on the reversed edges (= Dijkstra with unit costs).
+    transitions: (s, s_next) pairs of hashable keys; returns {node: distance} (all 1 without `goal`).
+    BFS from the goal on the reversed edges (= Dijkstra with unit costs); docs/graphgpo.md, "Equations".
     """
-    nodes, rev = [], defaultdict(list)
-    seen = set()
+    transitions = list(transitions)
+    nodes = dict.fromkeys(x for pair in transitions for x in pair)
+    rev = defaultdict(list)
     for s, s_next in transitions:
-        for x in (s, s_next):
-            if x not in seen:
-                seen.add(x)
-                nodes.append(x)
         rev[s_next].append(s)
-    if goal not in seen:
+    if goal not in nodes:
         return {n: 1 for n in nodes}
     dist = {goal: 0}
     queue = deque([goal])
@@ -243,12 +230,10 @@ def graph_step_advantages(episodes, success, omega, r_succ=10.0, eps=1e-6, inval
         R_t = r_succ * omega^(d(s_{t+1}) + c) - invalid_penalty * invalid_t,   c = step_cost (paper: 1)
         A_t = (R_t - mean_{G(s_t)} R) / (std_{G(s_t)} R + eps),  G(s) = all steps whose source key is s
 
-    episodes[m] = [s_1, ..., s_{T+1}] (T actions). For a successful trajectory (success[m]) the last
-    state is replaced by the shared goal node. Step groups count every occurrence of a source state over
-    all trajectories and use the exact keys; std is unbiased; a group of one step gets 0.
-    invalid: optional per-trajectory bool lists (length T). node_of: optional {key: node} map applied to
-    graph nodes only (fuzzy matching). Returns one float64 array of length T per trajectory, and with
-    `return_stats` also a dict of graph statistics.
+    episodes[m] = [s_1, ..., s_{T+1}]; a successful trajectory's last state becomes the goal node; step
+    groups use the exact keys, node_of ({key: node}, fuzzy matching) the graph nodes only (docs/graphgpo.md,
+    "Equations"). Returns one float64 array of length T per trajectory (and graph statistics with
+    `return_stats`).
     """
     if len(episodes) != len(success):
         raise ValueError(f"{len(episodes)} episodes but {len(success)} success flags")
@@ -272,9 +257,7 @@ def graph_step_advantages(episodes, success, omega, r_succ=10.0, eps=1e-6, inval
     adv = _split(_normalise_in_groups(R, keys, eps), lengths)
     if not return_stats:
         return adv
-    counts = defaultdict(int)
-    for k in keys:
-        counts[k] += 1
+    counts = Counter(keys)
     stats = {
         "nodes": len(dist),
         "edges": len(set(transitions)),
@@ -312,9 +295,8 @@ def gigpo_step_advantages(episodes, step_rewards, gamma=0.95, eps=1e-6, invalid=
         R_t = sum_{k >= t} gamma^(k - t) r_k - invalid_penalty * invalid_t
         A_t = (R_t - mean_{G(s_t)} R) / (std_{G(s_t)} R + eps),  G(s) = all steps whose source key is s
 
-    episodes[m] = [s_1, ...] (at least T states; s_1..s_T are the steps' source states);
-    step_rewards[m] = [r_1, ..., r_T]. Unbiased std; a group of one step gets 0.
-    Returns one float64 array of length T per trajectory.
+    episodes[m] = [s_1, ...] (s_1..s_T are the steps' source states); step_rewards[m] = [r_1, ..., r_T].
+    Unbiased std; a group of one step gets 0. Returns one float64 array of length T per trajectory.
     """
     if len(episodes) != len(step_rewards):
         raise ValueError(f"{len(episodes)} episodes but {len(step_rewards)} reward lists")
@@ -393,10 +375,8 @@ def compute_advantages(episodes, args, omega):
                 samples.append({"prompt": ep.prompts[t], "completion": ep.completions[t], "adv": adv,
                                 "traj": ep.traj_id, "group": g, "turn": t,
                                 "a_step": float(a_step[i][t]), "a_episode": float(a_ep[i])})
-        for k in ("nodes", "edges", "mean_distance", "step_reward_mean"):
+        for k in ("nodes", "edges", "mean_distance", "step_reward_mean", "steps", "singleton_steps"):
             st[k].append(gs[k])
-        st["steps"].append(gs["steps"])
-        st["singleton_steps"].append(gs["singleton_steps"])
         st["group_success"].append(float(any(success)))
     a = np.array([s["adv"] for s in samples]) if samples else np.zeros(1)
     a_s = np.array([s["a_step"] for s in samples]) if samples else np.zeros(1)
@@ -461,22 +441,14 @@ def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False):
         return []
     device = next(model.parameters()).device
     pad = tok.pad_token_id
-    L = max(len(p) for p in prompt_ids)
-    input_ids = torch.full((len(prompt_ids), L), pad, dtype=torch.long)
-    attn = torch.zeros((len(prompt_ids), L), dtype=torch.long)
-    for i, p in enumerate(prompt_ids):
-        input_ids[i, L - len(p):] = torch.tensor(p)
-        attn[i, L - len(p):] = 1
+    L, eos = max(len(p) for p in prompt_ids), tok.eos_token_id
+    input_ids = torch.tensor([[pad] * (L - len(p)) + list(p) for p in prompt_ids], dtype=torch.long, device=device)
+    attn = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompt_ids], dtype=torch.long, device=device)
     sample = not greedy and temperature > 0
     kw = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if sample else dict(do_sample=False)
-    out = model.generate(input_ids=input_ids.to(device), attention_mask=attn.to(device), max_new_tokens=max_new_tokens,
-                         pad_token_id=pad, eos_token_id=tok.eos_token_id, **kw)
-    comps = []
-    for row in out[:, L:].tolist():
-        if tok.eos_token_id in row:
-            row = row[: row.index(tok.eos_token_id) + 1]
-        comps.append(row)
-    return comps
+    out = model.generate(input_ids=input_ids, attention_mask=attn, max_new_tokens=max_new_tokens,
+                         pad_token_id=pad, eos_token_id=eos, **kw)
+    return [row[: row.index(eos) + 1] if eos in row else row for row in out[:, L:].tolist()]
 
 
 def rollout(model, tok, new_env, task_ids, group_ids, temperature, max_new_tokens, greedy=False):
@@ -518,29 +490,18 @@ def rollout(model, tok, new_env, task_ids, group_ids, temperature, max_new_token
 # 4. Log-probs and loss
 # ----------------------------------------------------------------------------------------------
 def completion_logprobs(model, tok, prompt_ids, completion_ids, temperature=1.0):
-    """Per-token log-probs of the completions given the prompts, one left-padded forward with the
-    active adapter, under the sampling distribution softmax(logits / temperature) (as verl scores
-    rollouts: at a temperature other than 1 the raw logits would not describe the sampling policy).
-
-    Returns (logp [B, C_max], mask [B, C_max]); completions are right-aligned (row i's tokens are the
-    last len(completion_i) columns; an empty completion is an all-zero row). Only the last C_max + 1
-    positions' logits are computed (`logits_to_keep`), and log p = z[token] - logsumexp(z) with
-    z = logits / temperature (no full log-softmax).
-    """
+    """Per-token log-probs of the completions given the prompts (one left-padded forward, active adapter)
+    under softmax(logits / temperature), the sampling distribution (docs/design.md, "Shared blocks").
+    Returns (logp [B, C_max], mask [B, C_max]), completions right-aligned (an empty one is an all-zero row);
+    only the last C_max + 1 positions' logits are computed, log p = z[token] - logsumexp(z)."""
     device = next(model.parameters()).device
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     seqs = [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids)]
     L = max(len(s) for s in seqs)
     C = max(1, max(len(c) for c in completion_ids))
-    input_ids = torch.full((len(seqs), L), pad, dtype=torch.long)
-    attn = torch.zeros((len(seqs), L), dtype=torch.long)
-    cmask = torch.zeros((len(seqs), C), dtype=torch.float32)
-    for i, (s, c) in enumerate(zip(seqs, completion_ids)):
-        input_ids[i, L - len(s):] = torch.tensor(s)
-        attn[i, L - len(s):] = 1
-        if len(c):
-            cmask[i, C - len(c):] = 1.0
-    input_ids, attn, cmask = input_ids.to(device), attn.to(device), cmask.to(device)
+    input_ids = torch.tensor([[pad] * (L - len(s)) + s for s in seqs], dtype=torch.long, device=device)
+    attn = torch.tensor([[0] * (L - len(s)) + [1] * len(s) for s in seqs], dtype=torch.long, device=device)
+    cmask = torch.tensor([[0.0] * (C - len(c)) + [1.0] * len(c) for c in completion_ids], device=device)
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids,
                    logits_to_keep=C + 1).logits[:, :-1].float()
@@ -696,8 +657,7 @@ def iteration_row(episodes, samples, ustats, cstats, t_roll, t_credit, t_upd, t_
 
 
 def start_run(args, resolved):
-    """The run directory, its config.json (every Args field and the values resolved at run time) and its
-    Logger."""
+    """The run directory, its config.json (every Args field, the values resolved at run time), its Logger."""
     run_dir = Path(args.output_dir) / f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
     run_dir.mkdir(parents=True, exist_ok=True)
     print(f"run dir: {run_dir}")
@@ -712,15 +672,9 @@ def eval_line(ev):
 
 def write_summary(run_dir, args, wall_seconds, first_eval, last_eval, eval_metric, **extra):
     """summary.json (the first and last evaluation, `extra`, the learning block), printed as well."""
-    summary = {
-        "run_dir": str(run_dir),
-        "iterations": args.num_iterations,
-        "wall_seconds": wall_seconds,
-        "first_eval": first_eval,
-        "last_eval": last_eval,
-        **extra,
-        "learning": learning_summary(first_eval, last_eval, eval_metric),
-    }
+    summary = {"run_dir": str(run_dir), "iterations": args.num_iterations, "wall_seconds": wall_seconds,
+               "first_eval": first_eval, "last_eval": last_eval, **extra,
+               "learning": learning_summary(first_eval, last_eval, eval_metric)}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print("summary: " + json.dumps({k: v for k, v in summary.items() if not isinstance(v, (dict, list))}))
     for name, ev in (("first", first_eval), ("last", last_eval)):

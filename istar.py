@@ -4,16 +4,12 @@ Paper: "Agentic Reinforcement Learning with Implicit Step Rewards" (Liu et al., 
 https://arxiv.org/abs/2509.19199 ; official code: https://github.com/Tongyi-ConvAI/Tongyi-Character
 (directory CharacterRL-iStar/).
 
-Method. An implicit process reward model (PRM) π_φ is trained alongside the policy π_θ. Both start as the
-same model; here the PRM is a second LoRA adapter ("prm") on the policy's base model, with its own
-optimizer, so one base model sits in memory. Each iteration: (1) roll out N trajectories per task with the
-policy and record the old policy's log-probs of every action (π_θold); (2) score every step with the PRM as
-trained so far, r_φ = β Σ_tokens (log π_φ - log π_θold) (Eq. 1); (3) update the PRM once with the
-trajectory-level DPO objective (Eq. 2) on success/failure pairs of the same task, with π_θold as the
-reference; (4) combine an episode-level advantage of the outcome rewards (Eq. 3) with a step-level
-advantage of the implicit step rewards over all steps of the task's group (Eq. 4): A = A_E + α A_S (Eq. 5);
-(5) update the policy with the clipped surrogate, no KL (Eq. 6). `--alpha 0` is the vanilla RLOO or GRPO
-baseline in the same file (the PRM is then neither scored nor trained).
+Method (docs/istar.md, "Overview"). An implicit process reward model (PRM) π_φ, a second LoRA adapter
+("prm") on the policy's base model, is trained alongside the policy π_θ. Each iteration: roll out N
+trajectories per task and record π_θold's log-probs; score every step r_φ = β Σ_tokens (log π_φ - log π_θold)
+(Eq. 1); update the PRM with trajectory-level DPO on success/failure pairs of a task (Eq. 2); A = A_E + α A_S,
+episode-level plus step-level advantage (Eq. 3-5); clipped surrogate, no KL (Eq. 6). `--alpha 0` is the
+vanilla RLOO or GRPO baseline (the PRM is then neither scored nor trained).
 
 Equations -> functions
 - Eq. 1  r_φ(o_1:t, a_t) = β Σ_tok log π_φ(a_t|.) / π_θold(a_t|.)       -> `implicit_step_rewards`
@@ -99,13 +95,11 @@ class Args:
     env_id: str = "sokoban"
     """training and evaluation env"""
     history: Optional[int] = None
-    """past (action, observation) pairs shown in the prompt; None: the policy's (a tiny policy's recipe, 0 on
-    Sokoban) or else the env's default"""
+    """past (action, observation) pairs in the prompt; None: the tiny recipe's (Sokoban 0) or the env's default"""
     max_turns: int = 0
     """most steps per episode (0: the env's default; paper: 15 on Sokoban, 10 on WebShop)"""
     sokoban_reward: Literal["shaped", "sparse"] = "shaped"
-    """Sokoban's outcome r_o: 'shaped' (the paper's: -0.1 per step, +-1 per box on/off target, +10 on
-    solving) or 'sparse' (10 on solving); positive trajectories are the solved ones either way"""
+    """Sokoban's r_o: 'shaped' (paper: -0.1/step, +-1/box on/off target, +10 solved) or 'sparse' (10 solved)"""
     opponent: str = "rule:fair"
     """scripted opponent of two-player envs (bargaining, negotiation)"""
     eval_num_tasks: int = 200
@@ -155,8 +149,7 @@ class Args:
     dual_clip: float = 3.0
     """dual-clip constant for negative advantages (verl, as run officially; 0 disables)"""
     ratio_level: Literal["step", "token"] = "step"
-    """'step': one ratio per action, exp of its mean token log-ratio, every step weighs the same (paper
-    Eq. 6, GSPO-style); 'token': per-token ratios, token-mean (the official verl loss)"""
+    """'step': one ratio per action, step-mean (paper Eq. 6, GSPO-style); 'token': token-mean (official verl)"""
     num_minibatches: int = 2
     """policy optimizer steps per iteration (the steps are split into this many minibatches)"""
     micro_batch_size: int = 64
@@ -205,8 +198,7 @@ def trajectory_dpo_loss(step_rewards, traj_index, traj_success, traj_group, redu
         S(τ) = mean_t r_φ(a_t)  (reduce="mean", official)  or  Σ_t r_φ(a_t)  (reduce="sum", Eq. 2)
         L = mean over pairs (τ+, τ-) of the same group of -log σ(S(τ+) - S(τ-))
 
-    step_rewards [S] (with grad), traj_index [S] in 0..N-1, traj_success [N] bool, traj_group [N].
-    Every successful trajectory of a group is paired with every failed one of the same group. Without
+    step_rewards [S] (with grad), traj_index [S] in 0..N-1, traj_success [N] bool, traj_group [N]. Without
     any pair the result is a zero that still belongs to the autograd graph of step_rewards.
     """
     n = len(traj_success)
@@ -267,11 +259,9 @@ def normalize_step_rewards(step_rewards, eps=1e-6):
 
 
 def compute_advantages(samples, outcomes, traj_group, step_r, tok_r, args):
-    """Samples in (one per step, `traj` = trajectory index), each gets `adv`: a tensor with one advantage
-    per completion token. Step level (and RLOO/GRPO without the PRM): A = A^E + α·A^S(step reward) on
-    every token of the step (Eq. 3-5); token level (Table 3 ablation): every token is its own step with
-    its token reward. `outcomes`/`traj_group`: per trajectory; `step_r` [n steps], `tok_r` (list of
-    per-token rewards, or None). Returns the credit statistics that are logged."""
+    """Samples in (one per step), each gets `adv`, one advantage per completion token: A = A^E + α·A^S of
+    its step reward on every token (Eq. 3-5), or with --step-reward-granularity token every token is its
+    own step (Table 3 ablation). Returns the credit statistics that are logged."""
     traj_index = torch.tensor([x["traj"] for x in samples], dtype=torch.long)
     if args.step_reward_granularity == "step" or tok_r is None:
         r_in = step_r.double()
@@ -337,22 +327,14 @@ def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False):
         return []
     device = next(model.parameters()).device
     pad = tok.pad_token_id
-    L = max(len(p) for p in prompt_ids)
-    input_ids = torch.full((len(prompt_ids), L), pad, dtype=torch.long)
-    attn = torch.zeros((len(prompt_ids), L), dtype=torch.long)
-    for i, p in enumerate(prompt_ids):
-        input_ids[i, L - len(p):] = torch.tensor(p)
-        attn[i, L - len(p):] = 1
+    L, eos = max(len(p) for p in prompt_ids), tok.eos_token_id
+    input_ids = torch.tensor([[pad] * (L - len(p)) + list(p) for p in prompt_ids], dtype=torch.long, device=device)
+    attn = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompt_ids], dtype=torch.long, device=device)
     sample = not greedy and temperature > 0
     kw = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if sample else dict(do_sample=False)
-    out = model.generate(input_ids=input_ids.to(device), attention_mask=attn.to(device), max_new_tokens=max_new_tokens,
-                         pad_token_id=pad, eos_token_id=tok.eos_token_id, **kw)
-    comps = []
-    for row in out[:, L:].tolist():
-        if tok.eos_token_id in row:
-            row = row[: row.index(tok.eos_token_id) + 1]
-        comps.append(row)
-    return comps
+    out = model.generate(input_ids=input_ids, attention_mask=attn, max_new_tokens=max_new_tokens,
+                         pad_token_id=pad, eos_token_id=eos, **kw)
+    return [row[: row.index(eos) + 1] if eos in row else row for row in out[:, L:].tolist()]
 
 
 def _progress(env, info=None):
@@ -405,29 +387,18 @@ def rollout(model, tok, new_env, task_ids, group_ids, temperature, max_new_token
 # 4. Log-probs and loss
 # ----------------------------------------------------------------------------------------------
 def completion_logprobs(model, tok, prompt_ids, completion_ids, temperature=1.0):
-    """Per-token log-probs of the completions given the prompts, one left-padded forward with the
-    active adapter, under the sampling distribution softmax(logits / temperature) (as verl scores
-    rollouts: at a temperature other than 1 the raw logits would not describe the sampling policy).
-
-    Returns (logp [B, C_max], mask [B, C_max]); completions are right-aligned (row i's tokens are the
-    last len(completion_i) columns; an empty completion is an all-zero row). Only the last C_max + 1
-    positions' logits are computed (`logits_to_keep`), and log p = z[token] - logsumexp(z) with
-    z = logits / temperature (no full log-softmax).
-    """
+    """Per-token log-probs of the completions given the prompts (one left-padded forward, active adapter)
+    under softmax(logits / temperature), the sampling distribution (docs/design.md, "Shared blocks").
+    Returns (logp [B, C_max], mask [B, C_max]), completions right-aligned (an empty one is an all-zero row);
+    only the last C_max + 1 positions' logits are computed, log p = z[token] - logsumexp(z)."""
     device = next(model.parameters()).device
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     seqs = [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids)]
     L = max(len(s) for s in seqs)
     C = max(1, max(len(c) for c in completion_ids))
-    input_ids = torch.full((len(seqs), L), pad, dtype=torch.long)
-    attn = torch.zeros((len(seqs), L), dtype=torch.long)
-    cmask = torch.zeros((len(seqs), C), dtype=torch.float32)
-    for i, (s, c) in enumerate(zip(seqs, completion_ids)):
-        input_ids[i, L - len(s):] = torch.tensor(s)
-        attn[i, L - len(s):] = 1
-        if len(c):
-            cmask[i, C - len(c):] = 1.0
-    input_ids, attn, cmask = input_ids.to(device), attn.to(device), cmask.to(device)
+    input_ids = torch.tensor([[pad] * (L - len(s)) + s for s in seqs], dtype=torch.long, device=device)
+    attn = torch.tensor([[0] * (L - len(s)) + [1] * len(s) for s in seqs], dtype=torch.long, device=device)
+    cmask = torch.tensor([[0.0] * (C - len(c)) + [1.0] * len(c) for c in completion_ids], device=device)
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids,
                    logits_to_keep=C + 1).logits[:, :-1].float()
@@ -474,14 +445,10 @@ def training_samples(model, tok, episodes, args):
 
 
 def prm_update(model, tok, optimizer, samples, traj_success, traj_group, args):
-    """One optimizer step of the PRM adapter on the trajectory-DPO loss (Eq. 2), in two passes.
-
-    samples: dicts with prompt, completion, traj (0..N-1) and old (π_θold token log-probs). Pass 1 (no
-    graph) scores every step with the PRM as it is now; these pre-update rewards are returned for the
-    advantages. The loss is a function of the step rewards only, so g_s = dL/dr_s is computed on them, and
-    pass 2 re-forwards the micro-batches that hold a paired trajectory with the graph and backpropagates
-    Σ_s g_s r_s, which has the same gradient as the pooled loss. Returns (token rewards list, step rewards
-    [S], stats).
+    """One optimizer step of the PRM adapter on the trajectory-DPO loss (Eq. 2), in two passes (docs/istar.md,
+    "Implementation details" 4): pass 1 scores every step without graph (these pre-update rewards feed the
+    advantages) and takes g_s = dL/dr_s; pass 2 re-forwards the paired steps and backpropagates Σ_s g_s r_s.
+    Returns (token rewards list, step rewards [S], stats).
     """
     device = next(model.parameters()).device
     prm_lp = token_logprobs(model, tok, samples, "prm", args.micro_batch_size, args.temperature)
@@ -535,10 +502,8 @@ def policy_loss(logp, old_logp, adv, weights, clip_eps, dual_clip, step_mask=Non
         ratio = exp(logp - old); l = -min(ratio A, clip(ratio, 1 - ε, 1 + ε) A)
         for A < 0: l = min(l, -c A)   (dual clip);   loss = Σ weights * l
 
-    With `step_mask` (the completion mask [B, C]) the ratio is the step's (Eq. 6, as GSPO):
-    s = exp(mean over the step's tokens of (logp - old)), used for every token of the step in the form
-    s * π_t / sg(π_t), whose value is s and whose gradient is s ∇log π_t; with weights 1 / (len · steps)
-    this is exactly the gradient of the per-step loss -min(s A, clip(s) A) averaged over steps.
+    With `step_mask` (the completion mask [B, C]) the ratio is the step's, s = exp(mean over the step's tokens
+    of (logp - old)), as s * π_t / sg(π_t) on every token (Eq. 6, GSPO; docs/istar.md, "Implementation details" 12).
     """
     if step_mask is not None:
         n = step_mask.sum(-1, keepdim=True).clamp(min=1.0)
@@ -674,8 +639,7 @@ def step_reward_record(episodes, step_r):
 
 
 def start_run(args, resolved):
-    """The run directory, its config.json (every Args field and the values resolved at run time) and its
-    Logger."""
+    """The run directory, its config.json (every Args field, the values resolved at run time), its Logger."""
     run_dir = Path(args.output_dir) / f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
     run_dir.mkdir(parents=True, exist_ok=True)
     print(f"run dir: {run_dir}")
@@ -690,15 +654,9 @@ def eval_line(ev):
 
 def write_summary(run_dir, args, wall_seconds, first_eval, last_eval, eval_metric, **extra):
     """summary.json (the first and last evaluation, `extra`, the learning block), printed as well."""
-    summary = {
-        "run_dir": str(run_dir),
-        "iterations": args.num_iterations,
-        "wall_seconds": wall_seconds,
-        "first_eval": first_eval,
-        "last_eval": last_eval,
-        **extra,
-        "learning": learning_summary(first_eval, last_eval, eval_metric),
-    }
+    summary = {"run_dir": str(run_dir), "iterations": args.num_iterations, "wall_seconds": wall_seconds,
+               "first_eval": first_eval, "last_eval": last_eval, **extra,
+               "learning": learning_summary(first_eval, last_eval, eval_metric)}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print("summary: " + json.dumps({k: v for k, v in summary.items() if not isinstance(v, (dict, list))}))
     for name, ev in (("first", first_eval), ("last", last_eval)):
