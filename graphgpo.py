@@ -30,6 +30,7 @@ Example
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
 import math
@@ -43,6 +44,7 @@ from typing import Literal, Optional
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 import tyro
 from tqdm.auto import tqdm
 
@@ -216,11 +218,7 @@ def _normalise_in_groups(values, keys, eps):
 
 
 def _split(flat, lengths):
-    out, pos = [], 0
-    for n in lengths:
-        out.append(np.asarray(flat[pos:pos + n], dtype=np.float64))
-        pos += n
-    return out
+    return np.split(np.asarray(flat, dtype=np.float64), np.cumsum(lengths)[:-1]) if lengths else []
 
 
 def graph_step_advantages(episodes, success, omega, r_succ=10.0, eps=1e-6, invalid=None, invalid_penalty=0.1,
@@ -305,11 +303,9 @@ def gigpo_step_advantages(episodes, step_rewards, gamma=0.95, eps=1e-6, invalid=
         T = len(rewards)
         if len(states) < T:
             raise ValueError(f"episode {m}: {len(states)} states for {T} rewards")
-        G = discounted_returns(rewards, gamma)
-        for t in range(T):
-            pen = invalid_penalty * float(bool(invalid[m][t])) if invalid is not None else 0.0
-            R.append(G[t] - pen)
-            keys.append(states[t])
+        pen = [invalid_penalty * float(bool(invalid[m][t])) if invalid is not None else 0.0 for t in range(T)]
+        R += list(discounted_returns(rewards, gamma) - pen)
+        keys += states[:T]
         lengths.append(T)
     return _split(_normalise_in_groups(R, keys, eps), lengths)
 
@@ -378,9 +374,8 @@ def compute_advantages(episodes, args, omega):
         for k in ("nodes", "edges", "mean_distance", "step_reward_mean", "steps", "singleton_steps"):
             st[k].append(gs[k])
         st["group_success"].append(float(any(success)))
-    a = np.array([s["adv"] for s in samples]) if samples else np.zeros(1)
-    a_s = np.array([s["a_step"] for s in samples]) if samples else np.zeros(1)
-    a_e = np.array([s["a_episode"] for s in samples]) if samples else np.zeros(1)
+    a, a_s, a_e = (np.array([s[k] for s in samples]) if samples else np.zeros(1)
+                   for k in ("adv", "a_step", "a_episode"))
     stats = {
         "credit/graph_nodes": float(np.mean(st["nodes"])),
         "credit/graph_edges": float(np.mean(st["edges"])),
@@ -546,10 +541,7 @@ def score_samples(model, tok, samples, key, micro_batch_size, temperature=1.0, r
     for s in range(0, len(samples), micro_batch_size):
         chunk = samples[s:s + micro_batch_size]
         args = ([x["prompt"] for x in chunk], [x["completion"] for x in chunk])
-        if reference:
-            with model.disable_adapter():
-                lp, _ = completion_logprobs(model, tok, *args, temperature=temperature)
-        else:
+        with model.disable_adapter() if reference else contextlib.nullcontext():
             lp, _ = completion_logprobs(model, tok, *args, temperature=temperature)
         for j, x in enumerate(chunk):
             x[key] = lp[j, lp.shape[1] - len(x["completion"]):].detach()
@@ -575,17 +567,14 @@ def update(model, tok, optimizer, samples, args, rng):
             chunk = mb[s:s + args.micro_batch_size]
             lp, m = completion_logprobs(model, tok, [x["prompt"] for x in chunk], [x["completion"] for x in chunk],
                                         temperature=args.temperature)
-            C = lp.shape[1]
-            old, ref, adv = torch.zeros_like(lp), torch.zeros_like(lp), torch.zeros_like(lp)
-            for j, x in enumerate(chunk):
-                c = len(x["completion"])
-                old[j, C - c:] = x["old"]
-                ref[j, C - c:] = x["ref"] if args.kl_coef else x["old"]
-                adv[j, C - c:] = float(x["adv"])
+            C = lp.shape[1]  # the stored per-token vectors, right-aligned like lp:
+            old = torch.stack([F.pad(x["old"], (C - len(x["old"]), 0)) for x in chunk])
+            ref = torch.stack([F.pad(x["ref"], (C - len(x["ref"]), 0)) for x in chunk]) if args.kl_coef else old
+            adv = m * torch.tensor([float(x["adv"]) for x in chunk], device=m.device)[:, None]
             loss, pg, kl, cf = policy_loss(lp, old, ref, adv, m, args.clip_eps, args.dual_clip, args.kl_coef)
             w = float(m.sum()) / max(ntok, 1)  # token-mean over the whole minibatch
             (loss * w).backward()
-            for name, v in (("loss", loss.item()), ("pg_loss", pg), ("kl_ref", kl), ("clip_frac", cf)):
+            for name, v in (("loss", loss.item()), ("policy_loss", pg), ("kl_ref", kl), ("clip_frac", cf)):
                 acc[name] += v * w
             with torch.no_grad():
                 log_r = (lp - old) * m
@@ -636,12 +625,8 @@ def iteration_row(episodes, samples, ustats, cstats, t_roll, t_credit, t_upd, t_
         "charts/return": float(np.mean([sum(ep.env_rewards) for ep in episodes])),
         "charts/episode_length": float(np.mean([ep.length for ep in episodes])),
         "charts/invalid_rate": float(sum(sum(ep.invalid) for ep in episodes) / max(n_turns, 1)),
-        "losses/policy_loss": ustats.get("pg_loss", 0.0),
-        "losses/loss": ustats.get("loss", 0.0),
-        "losses/kl_ref": ustats.get("kl_ref", 0.0),
-        "losses/approx_kl": ustats.get("approx_kl", 0.0),
-        "losses/clip_frac": ustats.get("clip_frac", 0.0),
-        "losses/grad_norm": ustats.get("grad_norm", 0.0),
+        **{f"losses/{k}": ustats.get(k, 0.0) for k in ("policy_loss", "loss", "kl_ref", "approx_kl", "clip_frac",
+                                                         "grad_norm")},
         **cstats,
         "credit/graph_time_frac": cstats["credit/graph_seconds"] / max(t_total, 1e-9),
         "perf/rollout_seconds": t_roll,
@@ -818,9 +803,7 @@ def main(args: Args):
         env_kwargs["history"] = args.history
     new_env, probe = make_env(args.env_id, env_kwargs, args.max_turns)
     train_tasks = list(probe.task_ids("train"))
-    test_tasks = list(probe.task_ids("test"))
-    if args.eval_num_tasks:
-        test_tasks = test_tasks[: args.eval_num_tasks]
+    test_tasks = list(probe.task_ids("test"))[: args.eval_num_tasks or None]  # 0: all of them
     lr = args.learning_rate if args.learning_rate is not None else defaults.learning_rate
     max_new = args.max_new_tokens or defaults.max_new_tokens
 
