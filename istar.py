@@ -462,13 +462,12 @@ def prm_update(model, tok, optimizer, samples, traj_success, traj_group, args):
     n = len(traj_success)
     stats = {"prm_loss": float(loss.detach()) if pairs.shape[0] else float("nan"), "prm_pairs": int(pairs.shape[0]),
              "prm_pair_acc": float("nan"), "prm_grad_norm": 0.0}
-    if pairs.shape[0]:
-        s = trajectory_scores(r.double(), idx, n, args.dpo_reduce)
-        stats["prm_pair_acc"] = float((s[pairs[:, 0]] > s[pairs[:, 1]]).double().mean())
-        stats["prm_margin"] = float((s[pairs[:, 0]] - s[pairs[:, 1]]).mean())
     if pairs.shape[0] == 0:
         model.set_adapter("default")
         return tok_r, r, stats
+    s = trajectory_scores(r.double(), idx, n, args.dpo_reduce)
+    stats["prm_pair_acc"] = float((s[pairs[:, 0]] > s[pairs[:, 1]]).double().mean())
+    stats["prm_margin"] = float((s[pairs[:, 0]] - s[pairs[:, 1]]).mean())
     for _ in range(max(1, args.prm_updates_per_iteration)):
         model.set_adapter("prm")
         model.train()
@@ -557,10 +556,8 @@ def update(model, tok, optimizer, samples, args, rng):
                 clip_sum += float((clipped * m).sum())
         gn = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
         optimizer.step()
-        stats["loss"].append(tot_loss)
-        stats["kl"].append(kl_sum / max(ntok, 1))
-        stats["clipfrac"].append(clip_sum / max(ntok, 1))
-        stats["grad_norm"].append(float(gn))
+        for k, v in zip(stats, (tot_loss, kl_sum / max(ntok, 1), clip_sum / max(ntok, 1), float(gn))):
+            stats[k].append(v)
     model.eval()
     return {k: float(np.mean(v)) if v else 0.0 for k, v in stats.items()}
 
@@ -581,11 +578,9 @@ def evaluate(model, tok, new_env, tasks, args, max_new_tokens):
     out = {}
     out["eval/success"], out["eval/success_se"] = mean_se([ep.success for ep in episodes])
     out["eval/success_greedy"], out["eval/success_greedy_se"] = mean_se([ep.success for ep in greedy])
-    out.update({
-        "eval/return": float(np.mean([ep.env_return for ep in episodes])),
-        "eval/return_greedy": float(np.mean([ep.env_return for ep in greedy])),
-        "eval/episode_length": float(np.mean([ep.length for ep in episodes])),
-    })
+    out["eval/return"] = float(np.mean([ep.env_return for ep in episodes]))
+    out["eval/return_greedy"] = float(np.mean([ep.env_return for ep in greedy]))
+    out["eval/episode_length"] = float(np.mean([ep.length for ep in episodes]))
     records = [episode_record(ep, "sampled") for ep in episodes[: args.num_logged_episodes]]
     records += [episode_record(ep, "greedy") for ep in greedy[: max(1, args.num_logged_episodes // 2)]]
     return out, records
@@ -614,13 +609,13 @@ def iteration_row(episodes, samples, traj_success, step_r, pstats, ustats, cstat
         "perf/tokens_per_second": sum(len(x["completion"]) for x in samples) / max(t_roll, 1e-9),
     }
     if pstats is not None:
-        succ_steps = traj_success[torch.tensor([x["traj"] for x in samples], dtype=torch.long)]
-        r_np = step_r.double().numpy()
+        succ = traj_success[torch.tensor([x["traj"] for x in samples], dtype=torch.long)].numpy()
+        r = step_r.double().numpy()
         row.update({f"credit/{k}": v for k, v in pstats.items()})
-        row["credit/step_reward_mean"] = float(r_np.mean()) if len(r_np) else 0.0
-        row["credit/step_reward_abs_mean"] = float(np.abs(r_np).mean()) if len(r_np) else 0.0
-        row["credit/step_reward_success_mean"] = float(r_np[succ_steps.numpy()].mean()) if bool(succ_steps.any()) else float("nan")
-        row["credit/step_reward_failure_mean"] = float(r_np[~succ_steps.numpy()].mean()) if bool((~succ_steps).any()) else float("nan")
+        row["credit/step_reward_mean"] = float(r.mean()) if len(r) else 0.0
+        row["credit/step_reward_abs_mean"] = float(np.abs(r).mean()) if len(r) else 0.0
+        row["credit/step_reward_success_mean"] = float(r[succ].mean()) if succ.any() else float("nan")
+        row["credit/step_reward_failure_mean"] = float(r[~succ].mean()) if (~succ).any() else float("nan")
     if torch.cuda.is_available():
         row["perf/peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
     return row
@@ -793,9 +788,7 @@ def main(args: Args):
 
     new_env, probe, defaults = make_env(args)
     train_tasks = list(probe.task_ids("train"))
-    test_tasks = list(probe.task_ids("test"))
-    if args.eval_num_tasks:
-        test_tasks = test_tasks[: args.eval_num_tasks]
+    test_tasks = list(probe.task_ids("test"))[: args.eval_num_tasks or None]  # 0: all of them
     threshold = args.positive_threshold
     if threshold is None and args.env_id == "negotiation":
         threshold = 6.0  # 0-10 score, positives above 6 (paper's SOTOPIA rule)
@@ -847,7 +840,8 @@ def main(args: Args):
 
         # PRM: pre-update implicit step rewards (Eq. 1), then one trajectory-DPO step (Eq. 2)
         t2 = time.time()
-        outcomes = torch.tensor([ep.env_return - args.invalid_penalty * sum(ep.invalid) for ep in episodes], dtype=torch.float64)
+        outcomes = torch.tensor([ep.env_return - args.invalid_penalty * sum(ep.invalid) for ep in episodes],
+                                dtype=torch.float64)
         traj_success = outcomes > threshold if threshold is not None else torch.tensor([ep.success for ep in episodes])
         traj_group = torch.tensor([ep.group_id for ep in episodes])
         if use_prm:
