@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 NAMES = {"delta": "ΔBelief-RL", "starpo": "StarPO"}
 TARGET = 0.08  # ΔBelief-RL's mean change of sampled test success that counts as learning
 BUDGET = ("num_iterations", "tasks_per_iteration", "eval_every", "eval_num_tasks", "eval_k")
-METRICS = [("success", "success"), ("pass_at_4", "pass@4"), ("success_greedy", "greedy"),
+METRICS = [("success", "success"), ("pass_at_k", "pass@k"), ("success_greedy", "greedy"),
            ("num_questions", "questions"), ("repeated_frac", "repeated"), ("invalid_frac", "invalid")]
 
 
@@ -131,17 +131,18 @@ def report(runs, out_md, out_png, cmd_line, wall):
              f"{', ' + str(n_eval) + ' episodes' if n_eval else ''}) and 1 greedy game per secret.", ""]
     lines += learning_tables(runs, modes, seeds)
     lines += ["All evaluation metrics, median [min, max] over seeds:", ""]
-    head = "| method | when | " + " | ".join(n for _, n in METRICS) + (" | GMC success (OOD) | GMC questions |" if ood else " |")
+    head = "| method | when | " + " | ".join(n.replace("@k", f"@{cfg['eval_k']}") for _, n in METRICS) + (" | GMC success (OOD) | GMC questions |" if ood else " |")
     lines += [head, "|" + "---|" * (head.count("|") - 1)]
     for m in modes:
         for when in ("first_eval", "last_eval"):
             evs = [runs[(m, s)][2][when] for s in seeds if (m, s) in runs]
-            cells = [fmt([e.get(f"eval/{k}") for e in evs]) for k, _ in METRICS]
+            keys = [k.replace("_k", f"_{cfg['eval_k']}") if k == "pass_at_k" else k for k, _ in METRICS]
+            cells = [fmt([e.get(f"eval/{k}") for e in evs]) for k in keys]
             if ood:
                 cells += [fmt([e.get("eval/ood_success") for e in evs]), fmt([e.get("eval/ood_num_questions") for e in evs])]
             lines.append(f"| {NAMES[m]} | {'before' if when == 'first_eval' else 'after'} | " + " | ".join(cells) + " |")
     # paired per-seed difference in final success
-    lines += ["", "Training games (train secrets, G = 16 per secret), mean over the last 3 iterations, median "
+    lines += ["", f"Training games (train secrets, G = {cfg['group_size']} per secret), mean over the last 3 iterations, median "
               "[min, max] over seeds:", "", "| method | success | invalid | repeated | mean ΔBelief | share of turns with ΔBelief > 0 |",
               "|---|---|---|---|---|---|"]
     for m in modes:
