@@ -190,7 +190,7 @@ def policy_defaults(model_name_or_path: str, env_id: str, tiny_preset: str = "de
     recipe's `env_kwargs` (e.g. Sokoban without instruction text), so the run's envs take them (none
     when it was built for another env); it writes at most its recipe's `max_new_tokens`, learns at
     `tiny_learning_rate` (default TINY_LEARNING_RATE) and samples at `common.tiny.RL_TEMPERATURE` of its
-    env (1.0 if not listed). Any other model: no env options, temperature 1.0, and the method's
+    env (1.0 if not listed, and for the micro preset, whose runs only test the code). Any other model: no env options, temperature 1.0, and the method's
     real-model `learning_rate` and `max_new_tokens`, which the caller passes. A bad env id or preset ->
     UserError."""
     recipe = tiny_recipe(model_name_or_path, env_id, tiny_preset, tiny_overrides)

@@ -163,9 +163,10 @@ ENV_OVERRIDES: dict[str, dict] = {
 }
 
 
-# The sampling temperature at which RL on a tiny policy has room to improve it (method files that
-# sample at 1.0 for a real model use this for the tiny one; envs not listed: 1.0). It is not part of a
-# recipe: the build is the same, only how it is sampled differs. Twenty Questions: the default policy is
+# The sampling temperature at which RL on a tiny policy has room to improve it, through
+# `common.models.policy_defaults` (default preset only; envs not listed: 1.0; delta_belief.py reads it,
+# aria.py still samples its Twenty Questions policy at 1.0). It is not part of a recipe: the build is
+# the same, only how it is sampled differs. Twenty Questions: the default policy is
 # sharp at 1.0 (sampled 0.73, greedy 0.77 on the test words) and RL lowered it there; at 1.3 it samples
 # 0.48 with the same greedy play, the situation the Sokoban smoothing creates (docs/learning.md).
 RL_TEMPERATURE: dict[str, float] = {"twenty_questions": 1.3}

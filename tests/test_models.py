@@ -440,6 +440,14 @@ def test_policy_defaults_tiny_name_dir_and_real_model(tmp_path, random_llama_dir
         real = policy_defaults(name, "sokoban", learning_rate=1e-5, max_new_tokens=512)
         assert (real.is_tiny, real.env_kwargs, real.learning_rate, real.max_new_tokens) == (False, {}, 1e-5, 512)
 
+    # a method's own tiny learning rate, and the tiny policy's RL temperature (1.0 unless its env is listed)
+    assert tiny.temperature == 1.0 and real.temperature == 1.0
+    q = policy_defaults("tiny", "twenty_questions", learning_rate=3e-5, max_new_tokens=50, tiny_learning_rate=1e-4)
+    assert (q.learning_rate, q.temperature) == (1e-4, 1.3)
+    assert policy_defaults("tiny", "twenty_questions", "micro", learning_rate=3e-5, max_new_tokens=50).temperature == 1.0
+    assert policy_defaults("Qwen/Qwen3-1.7B", "twenty_questions", learning_rate=3e-5, max_new_tokens=50,
+                           tiny_learning_rate=1e-4).temperature == 1.0
+
     with pytest.raises(UserError) as e:
         policy_defaults("tiny", "no_such_env", learning_rate=1e-5, max_new_tokens=512)
     assert "no_such_env" in _one_line(e)
