@@ -15,6 +15,7 @@ without baseline, KL or clipping. Repeat with the new strategist (iterative self
 Equations -> functions
 - r_t = 1[t critical]; r_T = S / S_max unless T is critical; G_t = Σ_k γ^(k-t) r_k;
   A_t = G_t / max_t |G_t|                                                    -> `epo_turn_weights`
+- option, not EPO's: A_t = G_t / max over the batch |G| (--return-norm batch)  -> `batch_turn_weights`
 - L(θ) = -(1/T) Σ_t A_t (1/k_t) Σ_i log π_θ(a_{t,i} | context_t, a_{t,<i})  -> `epo_loss`
 - PRM (LLM judge, the paper's appendix prompt; answer {"indexes": [...]})     -> `prm_prompt`, `parse_prm_answer`
 - PRM stand-in: the top-k turns by the env's progress gain                   -> `rule_critical_turns`
