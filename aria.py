@@ -501,35 +501,31 @@ def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False):
     return [row[: row.index(eos) + 1] if eos in row else row for row in out[:, L:].tolist()]
 
 
-def rollout(model, tok, new_env, task_ids, args, temperature, greedy=False, selfplay=False):
-    """Games of a batch of tasks, all envs stepped together (one generate per turn or round of messages).
+def rollout(model, tok, new_game, task_ids, args, temperature, greedy=False):
+    """Games of a batch of tasks, each an `envs.Seated` from `new_game()`, all stepped together (one generate
+    per turn or round of messages).
 
-    Single agent (`selfplay` False: an env against its oracle, or a two-player game against a scripted
-    opponent through `envs.vs_opponent`): the utterances are the parsed action and the observation of
-    every turn; R = 1 if solved, else 0. Self-play (`selfplay` True: a two-player game, the policy plays
-    both roles): every message is an utterance and a training step of its player; R per player is the win
-    indicator (`--game-reward win`) or the normalised payoff (`payoff`)."""
+    One policy seat (an env against its oracle, or a two-player game against a scripted style): the
+    utterances are the parsed action and the observation of every turn; R = 1 if solved, else 0. Self-play
+    (the policy in both seats of a two-player game): every message is an utterance and a training step of
+    its player; R per player is the win indicator (`--game-reward win`) or the normalised payoff (`payoff`)."""
     from envs import extract_action
 
-    envs_, episodes = [], []
-    for i, task in enumerate(task_ids):
-        env = new_env()
-        env.reset(task)
-        envs_.append(env)
-        episodes.append(Episode(traj_id=i, task_id=str(task)))
-    rounds = range(2 * envs_[0].max_turns_per_player() + 2 if envs_ else 0) if selfplay else itertools.count()
+    games = [new_game().reset(task) for task in task_ids]
+    episodes = [Episode(traj_id=i, task_id=str(task)) for i, task in enumerate(task_ids)]
+    selfplay = bool(games) and list(games[0].seats.values()).count("policy") > 1
+    rounds = range(2 * games[0].env.max_turns_per_player() + 2) if selfplay else itertools.count()
     model.eval()
     for _ in rounds:
-        active = [i for i, e in enumerate(envs_) if not e.done]
+        active = [i for i, g in enumerate(games) if not g.done]
         if not active:
             break
-        players = [envs_[i].current_player if selfplay else "agent" for i in active]
-        prompts = [encode(tok, render_prompt(tok, envs_[i].observe(p) if selfplay else envs_[i].messages()))
-                   for i, p in zip(active, players)]
+        players = [games[i].current_player if selfplay else "agent" for i in active]
+        prompts = [encode(tok, render_prompt(tok, games[i].observe(games[i].current_player))) for i in active]
         comps = generate(model, tok, prompts, temperature, args.max_new_tokens, greedy=greedy)
         for k, i in enumerate(active):
             text = decode_action(tok, comps[k])
-            st = envs_[i].step(text)
+            st = games[i].step(text)
             ep = episodes[i]
             ep.steps.append({"player": players[k], "pos": len(ep.utterances), "prompt": prompts[k],
                              "completion": comps[k], "invalid": bool(st.info.get("invalid", False))})
@@ -542,7 +538,8 @@ def rollout(model, tok, new_env, task_ids, args, temperature, greedy=False, self
                 if st.done:
                     ep.success = bool(st.info.get("success", False))
                     ep.share = float(st.info.get("progress", ep.success))
-    for env, ep in zip(envs_, episodes):
+    for game, ep in zip(games, episodes):
+        env = game.env
         if not selfplay:
             ep.outcome = {"agent": float(ep.success)}
             continue
@@ -655,20 +652,20 @@ def episode_record(ep, tag, weights=None):
 
 def evaluate(model, tok, new_env, probe, tasks, args, two_player):
     """Single agent: success over `eval_k` sampled games per test task and one greedy game per task.
-    Two-player: the policy plays each role against each scripted style (`envs.vs_opponent`); the win
+    Two-player: the policy plays each role against each scripted style (an `envs.Seated` game); the win
     rate per role and style, sampled (`eval_k` games per task) and greedy."""
     import envs
 
     out, records = {}, []
     if not two_player:
         tasks_k = [t for t in tasks for _ in range(args.eval_k)]
-        episodes = rollout(model, tok, new_env, tasks_k, args, args.eval_temperature)
+        episodes = rollout(model, tok, lambda: envs.Seated(new_env()), tasks_k, args, args.eval_temperature)
         out["eval/success"], out["eval/success_se"] = mean_se([ep.success for ep in episodes])
         out["eval/return"] = float(np.mean([ep.env_return for ep in episodes]))
         out["eval/episode_length"] = float(np.mean([ep.length for ep in episodes]))
         out["eval/invalid_frac"] = float(np.mean([s["invalid"] for ep in episodes for s in ep.steps]))
         records += [episode_record(ep, "eval/sampled") for ep in episodes[: args.num_logged_episodes]]
-        greedy = rollout(model, tok, new_env, tasks, args, 1.0, greedy=True)
+        greedy = rollout(model, tok, lambda: envs.Seated(new_env()), tasks, args, 1.0, greedy=True)
         out["eval/success_greedy"] = float(np.mean([ep.success for ep in greedy]))
         return out, records
     styles = list(args.eval_opponents) or list(probe.opponent_styles())
@@ -676,7 +673,7 @@ def evaluate(model, tok, new_env, probe, tasks, args, two_player):
     for role in probe.players:
         for style in styles:
             def make(role=role, style=style):
-                return envs.vs_opponent(new_env(), f"rule:{style}", learner=role)
+                return envs.Seated(new_env(), {p: "policy" if p == role else style for p in probe.players})
 
             tasks_k = [t for t in tasks for _ in range(args.eval_k)]
             episodes = rollout(model, tok, make, tasks_k, args, args.eval_temperature)
@@ -939,7 +936,7 @@ def main(args: Args):
         t0 = time.time()
         tasks = [train_tasks[i] for i in rng.choice(len(train_tasks), size=args.games_per_iteration,
                                                     replace=len(train_tasks) < args.games_per_iteration)]
-        episodes = rollout(model, tok, new_env, tasks, args, args.temperature, selfplay=two_player)
+        episodes = rollout(model, tok, lambda: envs.Seated(new_env()), tasks, args, args.temperature)
         t_roll = time.time() - t0
         # credit: raw discounted returns, and their aggregation in the intention space (always logged)
         samples, cstats = compute_advantages(episodes, embedder, args)

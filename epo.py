@@ -413,101 +413,35 @@ def utterance_moves(env):
             env.moves_mode = old
 
 
-class Duel:
-    """A two-player game (Negotiation): `seats` maps each player to "policy" or a scripted style."""
-
-    def __init__(self, env, task_id, seats, real_model):
-        self.env, self.seats, self.real = env, dict(seats), real_model
-        env.reset(task_id)
-        self.players = tuple(env.players)
-        self.own = {p: [] for p in self.players}  # each policy seat's strategies so far
-
-    @property
-    def done(self):
-        return self.env.done
-
-    def current(self):
-        return self.env.current_player
-
-    def context(self, player):
-        return self.env.system_prompt_for(player).split("\nMoves:")[0]
-
-    def strategist_messages(self, player):
-        msgs = self.env.observe(player)
-        if self.real:  # an instruct strategist: the game, that it advises rather than plays, its own history
-            msgs = [{"role": "system", "content": STRATEGIST_SYSTEM.format(player=player, context=self.context(player))},
-                    *msgs[1:]]
-            msgs = with_own_strategies(msgs, self.own[player])
-        return msgs
-
-    def agent_messages(self, player, strategy):
-        with utterance_moves(self.env):
-            return with_user_suffix(self.env.observe(player), AGENT_HINT.format(strategy=strategy))
-
-    def rule_move(self, player, strategy):
-        return self.env.rule_agent_action(player, strategy)
-
-    def understood(self, strategy):
-        return self.env.strategy_understood(strategy)
-
-    def step(self, text, utterance):
-        with (utterance_moves(self.env) if utterance else contextlib.nullcontext()):
-            return self.env.step(text)
-
-    def scripted_step(self, player):
-        return self.env.step(self.env.scripted_action(player, self.seats[player]))
-
-    def result(self, player):
-        """(outcome in [0, 1], score on the env's scale, env return, won, deal)."""
-        env = self.env
-        deal = env.deal_round is not None
-        score = float(env.scores()[player])
-        return score / 10.0, score, float(env.payoffs()[player]), env.winner() == player, deal
+def context(game, player):
+    """What `player` was told: the game's system prompt without the move list, or the env's instructions."""
+    if game.two_player:
+        return game.env.system_prompt_for(player).split("\nMoves:")[0]
+    return game.env.system_prompt
 
 
-class Solo:
-    """A single-agent env (WebShop, ALFWorld, ...): the strategist writes thoughts for the agent."""
+def strategist_messages(game, player, own, real):
+    """The strategist's prompt. Two-player: the player's view (an instruct strategist is told the game and
+    that it advises rather than plays); single agent: the env's prompt under the `Thought:` guide's system
+    prompt. An instruct strategist also sees its own earlier strategies `own` (`with_own_strategies`)."""
+    if game.two_player:
+        msgs = game.observe(player)
+        if not real:
+            return msgs
+        system = STRATEGIST_SYSTEM.format(player=player, context=context(game, player))
+    else:
+        msgs = with_user_suffix(game.observe(player), THOUGHT_FOOTER)
+        system = THOUGHT_SYSTEM.format(context=game.env.system_prompt)
+    msgs = [{"role": "system", "content": system}, *msgs[1:]]
+    return with_own_strategies(msgs, own) if real else msgs
 
-    def __init__(self, env, task_id, real_model):
-        self.env, self.real, self.players, self.seats = env, real_model, ("agent",), {"agent": "policy"}
-        self.own = {"agent": []}
-        env.reset(task_id)
-        self.total, self.last_info = 0.0, {}
 
-    @property
-    def done(self):
-        return self.env.done
-
-    def current(self):
-        return "agent"
-
-    def context(self, player):
-        return self.env.system_prompt
-
-    def strategist_messages(self, player):
-        msgs = with_user_suffix(self.env.messages(), THOUGHT_FOOTER)
-        msgs = [{"role": "system", "content": THOUGHT_SYSTEM.format(context=self.env.system_prompt)}, *msgs[1:]]
-        return with_own_strategies(msgs, self.own["agent"]) if self.real else msgs
-
-    def agent_messages(self, player, strategy):
-        return with_user_suffix(self.env.messages(), THOUGHT_HINT.format(strategy=strategy))
-
-    def rule_move(self, player, strategy):
-        return self.env.rule_agent_action(strategy)
-
-    def understood(self, strategy):
-        return True
-
-    def step(self, text, utterance):
-        st = self.env.step(text)
-        self.total += float(st.reward)
-        self.last_info = st.info
-        return st
-
-    def result(self, player):
-        ok = bool(self.last_info.get("success", False))
-        outcome = min(1.0, max(0.0, self.total)) if self.env.env_id in OUTCOME_FROM_REWARD else float(ok)
-        return outcome, outcome, self.total, ok, ok
+def agent_messages(game, player, strategy):
+    """The base agent's prompt: its own view (moves read as utterances) and the strategist's hint."""
+    if not game.two_player:
+        return with_user_suffix(game.observe(player), THOUGHT_HINT.format(strategy=strategy))
+    with utterance_moves(game.env):
+        return with_user_suffix(game.observe(player), AGENT_HINT.format(strategy=strategy))
 
 
 @torch.no_grad()
@@ -541,66 +475,63 @@ def strategy_of(text: str) -> str:
     return s if len(s) <= 200 else s[:200]
 
 
-def rollout(model, tok, games, args, temperature, greedy=False, first_traj_id=0):
-    """Play every game to the end, all stepped together: per round, one batched strategist `generate` for
-    every game whose current player is a policy seat (and, for `--agent base`, one batched agent
-    `generate` with the adapter disabled). Scripted seats move in between. Returns one Episode per
-    (game, policy seat), in game order."""
+def rollout(model, tok, games, args, temperature, greedy=False, first_traj_id=0, real=False):
+    """Play every game (an `envs.Seated`, reset to its task) to the end, all stepped together: per round, one
+    batched strategist `generate` for every game whose turn it is (and, for `--agent base`, one batched agent
+    `generate` with the adapter disabled); scripted seats move inside the games. `real`: an instruct
+    strategist (its prompts). Returns one Episode per (game, policy seat), in game order."""
     episodes = {}
     for g, game in enumerate(games):
         for p in game.players:
-            if game.seats.get(p) == "policy":
+            if game.seats[p] == "policy":
                 others = [game.seats[q] for q in game.players if q != p]
                 opp = "" if not others else ("self" if others[0] == "policy" else others[0])
-                episodes[(g, p)] = Episode(first_traj_id + len(episodes), g, str(game.env.task_id), p, opp,
-                                           context=game.context(p))
-    prog = [{p: 0.0 for p in game.players} for game in games]
-
-    def note(g, player, st):
-        if "progress_by_player" in st.info:
-            prog[g].update({q: float(v) for q, v in st.info["progress_by_player"].items() if q in prog[g]})
-        elif "progress" in st.info:
-            prog[g][player] = float(st.info["progress"])
-
+                episodes[(g, p)] = Episode(first_traj_id + len(episodes), g, str(game.task_id), p, opp,
+                                           context=context(game, p))
     model.eval()
     for _ in range(10_000):  # every game ends (max turns / invalid streaks); this only bounds a bug
-        for g, game in enumerate(games):  # scripted seats move until a policy seat is to act
-            while not game.done and game.seats[game.current()] != "policy":
-                p = game.current()
-                note(g, p, game.scripted_step(p))
         live = [g for g, game in enumerate(games) if not game.done]
         if not live:
             break
-        who = [games[g].current() for g in live]
-        msgs = [games[g].strategist_messages(p) for g, p in zip(live, who)]
+        who = [games[g].current_player for g in live]
+        msgs = [strategist_messages(games[g], p, episodes[(g, p)].strategies, real) for g, p in zip(live, who)]
         prompts = [encode(tok, render_prompt(tok, m)) for m in msgs]
         comps = generate(model, tok, prompts, temperature, args.max_new_tokens, greedy)
         strategies = [strategy_of(decode(tok, c)) for c in comps]
         if args.agent == "rule":
-            moves = [games[g].rule_move(p, s) for g, p, s in zip(live, who, strategies)]
+            moves = [games[g].env.rule_agent_action(p, s) for g, p, s in zip(live, who, strategies)]
         else:
-            agent_prompts = [encode(tok, render_prompt(tok, games[g].agent_messages(p, s)))
+            agent_prompts = [encode(tok, render_prompt(tok, agent_messages(games[g], p, s)))
                              for g, p, s in zip(live, who, strategies)]
             with model.disable_adapter():
                 acomps = generate(model, tok, agent_prompts, args.agent_temperature, args.agent_max_new_tokens)
             moves = [decode(tok, c) for c in acomps]
         for k, (g, p) in enumerate(zip(live, who)):
-            tr = episodes[(g, p)]
+            game, tr = games[g], episodes[(g, p)]
             tr.prompts.append(prompts[k])
             tr.completions.append(comps[k])
             tr.strategies.append(strategies[k])
-            games[g].own[p].append(strategies[k])
             tr.views.append(msgs[k][-1]["content"])
-            tr.progress.append(prog[g][p])
-            tr.understood.append(games[g].understood(strategies[k]))
-            st = games[g].step(moves[k], utterance=args.agent == "base")
+            tr.progress.append(game.progress(p))
+            tr.understood.append(game.env.strategy_understood(strategies[k]) if game.two_player else True)
+            with (utterance_moves(game.env) if args.agent == "base" and game.two_player else contextlib.nullcontext()):
+                st = game.step(moves[k])
             tr.moves.append(moves[k] if len(moves[k]) <= 200 else moves[k][:200])
             tr.invalid.append(bool(st.info.get("invalid", False)))
-            note(g, p, st)
+            tr.env_return += float(st.reward)  # single agent: the return; two-player: set from the payoffs below
+            tr.won = bool(st.info.get("success", False))
     out = []
     for (g, p), tr in episodes.items():
-        tr.progress.append(prog[g][p])
-        tr.outcome, tr.score, tr.env_return, tr.won, tr.deal = games[g].result(p)
+        game, env = games[g], games[g].env
+        tr.progress.append(game.progress(p))
+        if game.two_player:
+            tr.score = float(env.scores()[p])
+            tr.outcome, tr.env_return, tr.won = tr.score / 10.0, float(env.payoffs()[p]), env.winner() == p
+            tr.deal = env.deal_round is not None
+        else:
+            tr.deal = tr.won
+            from_reward = env.env_id in OUTCOME_FROM_REWARD
+            tr.outcome = tr.score = min(1.0, max(0.0, tr.env_return)) if from_reward else float(tr.won)
         out.append(tr)
     return out
 
@@ -781,7 +712,7 @@ def episode_record(tr: Episode, tag: str) -> dict:
     return rec
 
 
-def evaluate(model, tok, make_game, tasks, players, styles, args):
+def evaluate(model, tok, make_game, tasks, players, styles, args, real):
     """Two-player: each test task in each role against every scripted style (sampled at eval_temperature
     and greedy), plus self-chat; single-agent: each test task (sampled and greedy). Returns (row, records)."""
     row, records = {}, []
@@ -796,8 +727,8 @@ def evaluate(model, tok, make_game, tasks, players, styles, args):
 
         def build():
             return [make_game(task, {"agent": "policy"}) for task, _, _ in specs]
-    sampled = rollout(model, tok, build(), args, args.eval_temperature)
-    greedy = rollout(model, tok, build(), args, 0.0, greedy=True)
+    sampled = rollout(model, tok, build(), args, args.eval_temperature, real=real)
+    greedy = rollout(model, tok, build(), args, 0.0, greedy=True, real=real)
     for key, v in trajectory_stats(sampled).items():
         row[f"eval/{key}"] = v
     row["eval/success"] = row["eval/win_rate"]
@@ -816,7 +747,7 @@ def evaluate(model, tok, make_game, tasks, players, styles, args):
     records += [episode_record(tr, "eval_sampled") for tr in sampled[: args.num_logged_episodes]]
     if styles and args.eval_selfplay:
         sp = rollout(model, tok, [make_game(task, {p: "policy" for p in players}) for task in tasks], args,
-                  args.eval_temperature)
+                     args.eval_temperature, real=real)
         for key, v in trajectory_stats(sp).items():
             if key in ("goal_score", "deal_rate", "episode_length"):
                 row[f"eval/selfplay_{key}"] = v
@@ -946,8 +877,8 @@ def save_adapter(model, run_dir: Path):
 # 6. Main loop
 # ----------------------------------------------------------------------------------------------
 def make_env(args):
-    """-> (tiny overrides, policy defaults, env kwargs, make_game(task, seats, real), probe env, two_player).
-    User errors -> UserError."""
+    """-> (tiny overrides, policy defaults, env kwargs, make_game(task, seats) -> a reset `envs.Seated`, probe env,
+    two_player). User errors -> UserError."""
     import envs
     from common.models import UserError, policy_defaults
 
@@ -975,9 +906,8 @@ def make_env(args):
     if not two_player and args.train_opponent != "self":
         raise UserError("--train-opponent applies to two-player games only")
 
-    def make_game(task, seats, real):
-        env = envs.make(args.env_id, **env_kwargs)
-        return Duel(env, task, seats, real) if two_player else Solo(env, task, real)
+    def make_game(task, seats):
+        return envs.Seated(envs.make(args.env_id, **env_kwargs), seats).reset(task)
 
     return overrides, defaults, env_kwargs, make_game, probe, two_player
 
@@ -1039,7 +969,7 @@ def main(args: Args):
     check_args(args)
     rng = seed_everything(args.seed)
 
-    overrides, defaults, env_kwargs, make_game_, probe, two_player = make_env(args)
+    overrides, defaults, env_kwargs, make_game, probe, two_player = make_env(args)
     is_tiny = defaults.is_tiny
     players = list(probe.players) if two_player else ["agent"]
     styles = list(probe.opponent_styles()) if two_player else []
@@ -1061,14 +991,11 @@ def main(args: Args):
                              lora_dropout=args.lora_dropout, activation_checkpointing=args.activation_checkpointing,
                              tiny_overrides=overrides if args.model_name == "tiny" else None)
 
-    def make_game(task, seats):
-        return make_game_(task, seats, not is_tiny)
-
     run_dir, logger = start_run(args, {"resolved_learning_rate": lr, "env_kwargs": env_kwargs})
 
     def run_eval(it):
         t0 = time.time()
-        row, records = evaluate(model, tok, make_game, test_tasks, players, styles, args)
+        row, records = evaluate(model, tok, make_game, test_tasks, players, styles, args, not is_tiny)
         row["perf/eval_seconds"] = time.time() - t0
         logger.log_samples(it, records)
         return row
@@ -1086,7 +1013,7 @@ def main(args: Args):
         pick = rng.choice(len(train_tasks), size=args.episodes_per_iteration,
                           replace=len(train_tasks) < args.episodes_per_iteration)
         games = training_games(make_game, [train_tasks[int(i)] for i in pick], players, styles, args, rng, two_player)
-        episodes = rollout(model, tok, games, args, args.temperature, first_traj_id=next_id)
+        episodes = rollout(model, tok, games, args, args.temperature, first_traj_id=next_id, real=not is_tiny)
         next_id += len(episodes)
         t_roll = time.time() - t0
 

@@ -1,7 +1,8 @@
 """The text-environment protocol shared by every env (docs/design.md, "Envs").
 
-Single-agent envs subclass `TextEnv`; two-player games subclass `TwoPlayerEnv` and become single-agent
-envs against a scripted opponent through `vs_opponent` (in `envs/__init__.py`).
+Single-agent envs subclass `TextEnv`; two-player games subclass `TwoPlayerEnv`, are played with their
+seats filled (a policy or a scripted style each) through `Seated`, and become single-agent envs against a
+scripted opponent through `vs_opponent` (both in `envs/__init__.py`).
 
 Action parsing is shared: `extract_action(text)` takes the content of the last `<action>...</action>`
 tag (after an optional `<think>...</think>`) when tags are present, else the whole text, stripped.
@@ -283,7 +284,7 @@ class TwoPlayerEnv:
     def expert_action(self, player: Optional[str] = None) -> str:
         raise NotImplementedError
 
-    # -- used by vs_opponent, self-play and the tiny demos --------------------------------------
+    # -- used by Seated, vs_opponent and the tiny demos ------------------------------------------
     def opponent_styles(self) -> list[str]:
         """Names of the scripted opponent styles (e.g. "tough", "fair", "conceding", "tit_for_tat")."""
         raise NotImplementedError
