@@ -229,29 +229,64 @@ def rule_critical_turns(progress, k=2, min_gain=1e-6):
     return crit
 
 
+PRM_SOCIAL = (
+    "Here's a conversation in JSON format between {a1} and {a2}:\n"
+    "In the first response from \"human\", you can find the context of the conversation and {a1}'s goal.\n"
+    "In the other responses from \"human\", you can find the conversation history between {a1} and {a2}.\n"
+    "In the responses from \"gpt\", you can find communication and social strategies that {a1} used for "
+    "achieving {a1}'s goal.\n"
+    "In the \"score\" field, you can find a score for evaluating {a1}'s goal achievement. The score ranges from 0 "
+    "and 10. 0 represents minimal goals achievement, 10 represents complete goal achievement, and a higher score "
+    "indicates that {a1} is making progress towards the goal.\n\n{history}\n\n"
+    "Your task is to select top strategies {a1} used that were critically important for achieving {a1}'s goal.\n\n")
+PRM_TASK = (
+    "Here's a conversation in JSON format between human and gpt.\n"
+    "In the first response from \"human\", you can find the {what} for gpt and Agent to {verb}.\n"
+    "In the responses from \"gpt\", you can find thoughts that gpt provides for helping Agent to {verb} the {goal}.\n"
+    "In the other responses from \"human\", you can find the trajectories of Agent's actions and the resulting "
+    "observations from the environment.\n\n"
+    "In the \"score\" field, you can find a score evaluating the goal achievement. The score ranges from 0 and 1. "
+    "0 represents minimal goals achievement, 1 represents complete goal achievement.\n\n{history}\n\n"
+    "Your task is to select top thoughts gpt produced that were critically important for {verb_ing} the {goal}.\n\n")
+PRM_OUTPUT = (  # how both prompts ask for the answer: {items} strategies or thoughts, {aim} what they serve
+    "Please output the selected round indexes and the reasoning process that led you to the selection in JSON "
+    "format like this: {{\"indexes\": , \"reasoning\": \"\"}}.\n"
+    "Here is the output schema: {{\"properties\": {{\"indexes\": {{\"description\": \"the selected top {items} "
+    "that are critically important for {aim}\", \"title\": \"indexes\", \"type\": \"list(integer)\"}}, "
+    "\"reasoning\": {{\"description\": \"the reasoning process why you select these {items}\", \"title\": "
+    "\"reasoning\", \"type\": \"string\"}}}}, \"required\": [\"indexes\", \"reasoning\"]}}.")
+PRM_TASK_WORDS = {
+    "webshop": dict(what="shopping goal", verb="achieve", verb_ing="achieving", goal="shopping goal"),
+    "alfworld": dict(what="initial environment observation and a household task", verb="accomplish",
+                     verb_ing="accomplishing", goal="household task"),
+}
+
 _JSON_OBJ = re.compile(r"\{.*?\}", re.DOTALL)
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
-def parse_prm_answer(text, turn_positions):
-    """The PRM's critical turns from its answer: the first `{...}` in `text` (official: re `\\{.*?\\}`,
-    control characters removed) parsed as JSON with a list "indexes" of conversation positions; turn t is
-    critical if its strategy's position turn_positions[t] is listed. Anything malformed (no JSON, no
-    list, non-integers, positions of non-strategy messages) marks nothing: never raises.
-    Returns length-T bools.
-    """
-    crit = [False] * len(turn_positions)
-    if not isinstance(text, str):
-        return crit
-    m = _JSON_OBJ.search(text)
+def prm_indexes(text):
+    """The list "indexes" of a PRM answer: the first `{...}` in `text` (official: re `\\{.*?\\}`, control
+    characters removed) parsed as JSON; None when there is no such list (no JSON, not a dict, no list)."""
+    m = _JSON_OBJ.search(text) if isinstance(text, str) else None
     if m is None:
-        return crit
+        return None
     try:
         obj = json.loads(_CONTROL.sub("", m.group(0)))
     except (ValueError, RecursionError):
-        return crit
+        return None
     idx = obj.get("indexes") if isinstance(obj, dict) else None
-    if not isinstance(idx, list):
+    return idx if isinstance(idx, list) else None
+
+
+def parse_prm_answer(text, turn_positions):
+    """The PRM's critical turns from its answer: turn t is critical if its strategy's conversation position
+    turn_positions[t] is in the answer's `prm_indexes`. Anything malformed (no JSON, no list,
+    non-integers, positions of non-strategy messages) marks nothing: never raises. Returns length-T bools.
+    """
+    crit = [False] * len(turn_positions)
+    idx = prm_indexes(text)
+    if idx is None:
         return crit
     where = {int(p): t for t, p in enumerate(turn_positions)}
     for v in idx:
@@ -261,6 +296,52 @@ def parse_prm_answer(text, turn_positions):
         if t is not None:
             crit[t] = True
     return crit
+
+
+def prm_prompt(tr: Episode, env_id: str, two_player: bool, other: str = ""):
+    """The paper's PRM prompt for one trajectory, and the conversation position of each strategy turn.
+
+    The conversation is the strategist's chat: human = what it saw (the first one with the context and
+    goal), gpt = its strategy; each entry carries its position "index" (official data format).
+    """
+    conv = []
+    for t, (view, strategy) in enumerate(zip(tr.views, tr.strategies)):
+        human = f"{tr.context}\n{view}" if t == 0 else view
+        conv.append({"from": "human", "value": human, "index": len(conv)})
+        conv.append({"from": "gpt", "value": strategy, "index": len(conv)})
+    positions = [2 * t + 1 for t in range(tr.length)]
+    history = json.dumps({"conversations": conv, "score": round(tr.score, 2)}, ensure_ascii=False)
+    if two_player:
+        text = PRM_SOCIAL.format(a1=tr.player, a2=other or "the other party", history=history)
+        return text + PRM_OUTPUT.format(items="strategies", aim=f"achieving {tr.player}'s goal"), positions
+    words = PRM_TASK_WORDS.get(env_id, dict(what="task", verb="accomplish", verb_ing="accomplishing", goal="task"))
+    text = PRM_TASK.format(history=history, **words)
+    return text + PRM_OUTPUT.format(items="thoughts", aim=f"{words['verb_ing']} the {words['goal']}"), positions
+
+
+def llm_prm(model, tok, episodes, args, env_id, two_player, players):
+    """Ask the frozen base model (adapters disabled) for each trajectory's critical turns.
+    Returns (critical lists, answers, parse failures)."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    prompts, positions = [], []
+    for tr in episodes:
+        other = [p for p in players if p != tr.player]
+        text, pos = prm_prompt(tr, env_id, two_player, other[0] if other else "")
+        ids = encode(tok, render_prompt(tok, [{"role": "user", "content": text}]))
+        if limit and len(ids) > limit - args.prm_max_new_tokens:  # keep the end: the task and the schema
+            ids = ids[len(ids) - (limit - args.prm_max_new_tokens):]
+        prompts.append(ids)
+        positions.append(pos)
+    answers = []
+    model.eval()
+    for s in range(0, len(prompts), args.micro_batch_size):
+        with model.disable_adapter():
+            comps = generate(model, tok, prompts[s:s + args.micro_batch_size], args.prm_temperature,
+                             args.prm_max_new_tokens)
+        answers += [decode(tok, c) for c in comps]
+    crits = [parse_prm_answer(a, pos) for a, pos in zip(answers, positions)]
+    fails = sum(1 for a in answers if prm_indexes(a) is None)
+    return crits, answers, fails
 
 
 def compute_advantages(episodes, args):
@@ -298,42 +379,6 @@ THOUGHT_SYSTEM = (
     "<action>...</action>. The agent's instructions:\n{context}")
 THOUGHT_FOOTER = "Give your guidance for the agent's next action: Thought: <one or two sentences>."
 
-PRM_SOCIAL = (
-    "Here's a conversation in JSON format between {a1} and {a2}:\n"
-    "In the first response from \"human\", you can find the context of the conversation and {a1}'s goal.\n"
-    "In the other responses from \"human\", you can find the conversation history between {a1} and {a2}.\n"
-    "In the responses from \"gpt\", you can find communication and social strategies that {a1} used for "
-    "achieving {a1}'s goal.\n"
-    "In the \"score\" field, you can find a score for evaluating {a1}'s goal achievement. The score ranges from 0 "
-    "and 10. 0 represents minimal goals achievement, 10 represents complete goal achievement, and a higher score "
-    "indicates that {a1} is making progress towards the goal.\n\n{history}\n\n"
-    "Your task is to select top strategies {a1} used that were critically important for achieving {a1}'s goal.\n\n"
-    "Please output the selected round indexes and the reasoning process that led you to the selection in JSON "
-    "format like this: {{\"indexes\": , \"reasoning\": \"\"}}.\n"
-    "Here is the output schema: {{\"properties\": {{\"indexes\": {{\"description\": \"the selected top strategies "
-    "that are critically important for achieving {a1}'s goal\", \"title\": \"indexes\", \"type\": "
-    "\"list(integer)\"}}, \"reasoning\": {{\"description\": \"the reasoning process why you select these "
-    "strategies\", \"title\": \"reasoning\", \"type\": \"string\"}}}}, \"required\": [\"indexes\", \"reasoning\"]}}.")
-PRM_TASK = (
-    "Here's a conversation in JSON format between human and gpt.\n"
-    "In the first response from \"human\", you can find the {what} for gpt and Agent to {verb}.\n"
-    "In the responses from \"gpt\", you can find thoughts that gpt provides for helping Agent to {verb} the {goal}.\n"
-    "In the other responses from \"human\", you can find the trajectories of Agent's actions and the resulting "
-    "observations from the environment.\n\n"
-    "In the \"score\" field, you can find a score evaluating the goal achievement. The score ranges from 0 and 1. "
-    "0 represents minimal goals achievement, 1 represents complete goal achievement.\n\n{history}\n\n"
-    "Your task is to select top thoughts gpt produced that were critically important for {verb_ing} the {goal}.\n\n"
-    "Please output the selected round indexes and the reasoning process that led you to the selection in JSON "
-    "format like this: {{\"indexes\": , \"reasoning\": \"\"}}.\n"
-    "Here is the output schema: {{\"properties\": {{\"indexes\": {{\"description\": \"the selected top thoughts "
-    "that are critically important for {verb_ing} the {goal}\", \"title\": \"indexes\", \"type\": "
-    "\"list(integer)\"}}, \"reasoning\": {{\"description\": \"the reasoning process why you select these "
-    "thoughts\", \"title\": \"reasoning\", \"type\": \"string\"}}}}, \"required\": [\"indexes\", \"reasoning\"]}}.")
-PRM_TASK_WORDS = {
-    "webshop": dict(what="shopping goal", verb="achieve", verb_ing="achieving", goal="shopping goal"),
-    "alfworld": dict(what="initial environment observation and a household task", verb="accomplish",
-                     verb_ing="accomplishing", goal="household task"),
-}
 OUTCOME_FROM_REWARD = ("webshop",)  # single-agent envs whose outcome is the final reward in [0, 1]
 
 
@@ -400,19 +445,6 @@ def with_own_strategies(messages, strategies):
     return with_user_suffix(messages, f"Your earlier strategies in this game: {listed}")
 
 
-@contextlib.contextmanager
-def utterance_moves(env):
-    """Temporarily read the env's messages as moves (not strategies): what the base agent writes and sees."""
-    old = env.moves_mode
-    if old is not None:
-        env.moves_mode = "utterance"
-    try:
-        yield
-    finally:
-        if old is not None:
-            env.moves_mode = old
-
-
 def context(game, player):
     """What `player` was told: the game's system prompt without the move list, or the env's instructions."""
     if game.two_player:
@@ -440,7 +472,7 @@ def agent_messages(game, player, strategy):
     """The base agent's prompt: its own view (moves read as utterances) and the strategist's hint."""
     if not game.two_player:
         return with_user_suffix(game.observe(player), THOUGHT_HINT.format(strategy=strategy))
-    with utterance_moves(game.env):
+    with game.env.utterance_moves():
         return with_user_suffix(game.observe(player), AGENT_HINT.format(strategy=strategy))
 
 
@@ -514,7 +546,8 @@ def rollout(model, tok, games, args, temperature, greedy=False, first_traj_id=0,
             tr.views.append(msgs[k][-1]["content"])
             tr.progress.append(game.progress(p))
             tr.understood.append(game.env.strategy_understood(strategies[k]) if game.two_player else True)
-            with (utterance_moves(game.env) if args.agent == "base" and game.two_player else contextlib.nullcontext()):
+            said = game.two_player and args.agent == "base"  # the base agent's text is a move, not a strategy
+            with game.env.utterance_moves() if said else contextlib.nullcontext():
                 st = game.step(moves[k])
             tr.moves.append(moves[k] if len(moves[k]) <= 200 else moves[k][:200])
             tr.invalid.append(bool(st.info.get("invalid", False)))
@@ -534,63 +567,6 @@ def rollout(model, tok, games, args, temperature, greedy=False, first_traj_id=0,
             tr.outcome = tr.score = min(1.0, max(0.0, tr.env_return)) if from_reward else float(tr.won)
         out.append(tr)
     return out
-
-
-def prm_prompt(tr: Episode, env_id: str, two_player: bool, other: str = ""):
-    """The paper's PRM prompt for one trajectory, and the conversation position of each strategy turn.
-
-    The conversation is the strategist's chat: human = what it saw (the first one with the context and
-    goal), gpt = its strategy; each entry carries its position "index" (official data format).
-    """
-    conv = []
-    for t, (view, strategy) in enumerate(zip(tr.views, tr.strategies)):
-        human = f"{tr.context}\n{view}" if t == 0 else view
-        conv.append({"from": "human", "value": human, "index": len(conv)})
-        conv.append({"from": "gpt", "value": strategy, "index": len(conv)})
-    positions = [2 * t + 1 for t in range(tr.length)]
-    history = json.dumps({"conversations": conv, "score": round(tr.score, 2)}, ensure_ascii=False)
-    if two_player:
-        text = PRM_SOCIAL.format(a1=tr.player, a2=other or "the other party", history=history)
-    else:
-        words = PRM_TASK_WORDS.get(env_id, dict(what="task", verb="accomplish", verb_ing="accomplishing", goal="task"))
-        text = PRM_TASK.format(history=history, **words)
-    return text, positions
-
-
-def llm_prm(model, tok, episodes, args, env_id, two_player, players):
-    """Ask the frozen base model (adapters disabled) for each trajectory's critical turns.
-    Returns (critical lists, answers, parse failures)."""
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    prompts, positions = [], []
-    for tr in episodes:
-        other = [p for p in players if p != tr.player]
-        text, pos = prm_prompt(tr, env_id, two_player, other[0] if other else "")
-        ids = encode(tok, render_prompt(tok, [{"role": "user", "content": text}]))
-        if limit and len(ids) > limit - args.prm_max_new_tokens:  # keep the end: the task and the schema
-            ids = ids[len(ids) - (limit - args.prm_max_new_tokens):]
-        prompts.append(ids)
-        positions.append(pos)
-    answers = []
-    model.eval()
-    for s in range(0, len(prompts), args.micro_batch_size):
-        with model.disable_adapter():
-            comps = generate(model, tok, prompts[s:s + args.micro_batch_size], args.prm_temperature,
-                             args.prm_max_new_tokens)
-        answers += [decode(tok, c) for c in comps]
-    crits = [parse_prm_answer(a, pos) for a, pos in zip(answers, positions)]
-    fails = sum(1 for a in answers if not _prm_answer_ok(a))
-    return crits, answers, fails
-
-
-def _prm_answer_ok(text) -> bool:
-    m = _JSON_OBJ.search(text or "")
-    if not m:
-        return False
-    try:
-        obj = json.loads(_CONTROL.sub("", m.group(0)))
-    except (ValueError, RecursionError):
-        return False
-    return isinstance(obj, dict) and isinstance(obj.get("indexes"), list)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -656,7 +632,8 @@ def update(model, tok, episodes, args, lr, rng):
             for c in range(0, len(turns), args.micro_batch_size):
                 chunk = turns[c:c + args.micro_batch_size]
                 lp, mask = completion_logprobs(model, tok, [batch[j].prompts[t] for j, t in chunk],
-                                               [batch[j].completions[t] for j, t in chunk], temperature=args.temperature)
+                                               [batch[j].completions[t] for j, t in chunk],
+                                               temperature=args.temperature)
                 loss = lp.sum() * 0.0
                 for j in sorted({j for j, _ in chunk}):
                     rows = [r for r, (jj, _) in enumerate(chunk) if jj == j]
@@ -716,17 +693,11 @@ def evaluate(model, tok, make_game, tasks, players, styles, args, real):
     """Two-player: each test task in each role against every scripted style (sampled at eval_temperature
     and greedy), plus self-chat; single-agent: each test task (sampled and greedy). Returns (row, records)."""
     row, records = {}, []
-    if styles:
-        specs = [(task, role, style) for style in styles for role in players for task in tasks]
+    specs = ([(task, role, style) for style in styles for role in players for task in tasks] if styles
+             else [(task, "agent", "") for task in tasks])
 
-        def build():
-            return [make_game(task, {role: "policy", **{q: style for q in players if q != role}})
-                    for task, role, style in specs]
-    else:
-        specs = [(task, "agent", "") for task in tasks]
-
-        def build():
-            return [make_game(task, {"agent": "policy"}) for task, _, _ in specs]
+    def build():
+        return [make_game(task, {p: "policy" if p == role else style for p in players}) for task, role, style in specs]
     sampled = rollout(model, tok, build(), args, args.eval_temperature, real=real)
     greedy = rollout(model, tok, build(), args, 0.0, greedy=True, real=real)
     for key, v in trajectory_stats(sampled).items():
@@ -784,7 +755,8 @@ def write_summary(run_dir, args, wall_seconds, first_eval, last_eval, eval_metri
 
 def iteration_row(episodes, ustats, prm_fails, t_roll, t_prm, t_upd, args):
     """The metrics of one iteration: training trajectories, losses, credit and seconds per phase."""
-    all_w = np.concatenate([np.asarray(tr.weights, dtype=float) for tr in episodes if tr.length]) if episodes else np.zeros(0)
+    weights = [np.asarray(tr.weights, dtype=float) for tr in episodes if tr.length]
+    all_w = np.concatenate(weights) if episodes else np.zeros(0)
     n_turns = sum(tr.length for tr in episodes)
     row = {f"charts/{key}": v for key, v in trajectory_stats(episodes).items()}
     row.update({
@@ -905,6 +877,11 @@ def make_env(args):
                         f"{args.env_id!r} has none: use --agent base")
     if not two_player and args.train_opponent != "self":
         raise UserError("--train-opponent applies to two-player games only")
+    styles = probe.opponent_styles() if two_player else []
+    style = args.train_opponent.split(":", 1)[1] if args.train_opponent.startswith("rule:") else None
+    if args.train_opponent != "self" and (style is None or (style != "any" and style not in styles)):
+        raise UserError(f"--train-opponent must be 'self', 'rule:any' or 'rule:<style>' with a style in "
+                        f"{', '.join(styles)}; got {args.train_opponent!r}")
 
     def make_game(task, seats):
         return envs.Seated(envs.make(args.env_id, **env_kwargs), seats).reset(task)
@@ -923,33 +900,19 @@ def check_args(args):
         raise UserError("--micro-batch-size and --trajectories-per-step must be >= 1, --eval-num-tasks >= 0")
 
 
-def training_games(make_game, tasks, players, styles, args, rng, two_player):
-    """One game per task, with its seats: the policy alone, the policy in every seat (`--train-opponent
-    self`), or the policy in one role, alternating, against a scripted style (`rule:<style>`; `rule:any`
-    draws one per game)."""
+def training_games(make_game, tasks, players, styles, args, rng):
+    """One game per task, with its seats: the policy in every seat (a single-agent env's one seat, or
+    self-chat with `--train-opponent self`), or the policy in one role, alternating, against a scripted
+    style (`rule:<style>`; `rule:any` draws one per game)."""
     games = []
     for n, task in enumerate(tasks):
-        if not two_player:
-            seats = {"agent": "policy"}
-        elif args.train_opponent == "self":
-            seats = {p: "policy" for p in players}
-        else:
+        seats = {p: "policy" for p in players}
+        if args.train_opponent != "self":
             style = args.train_opponent.split(":", 1)[1]
             style = styles[int(rng.integers(len(styles)))] if style == "any" else style
-            role = players[n % len(players)]
-            seats = {p: ("policy" if p == role else style) for p in players}
+            seats.update({p: style for p in players if p != players[n % len(players)]})
         games.append(make_game(task, seats))
     return games
-
-
-def check_train_opponent(args, styles):
-    from common.models import UserError
-
-    if args.train_opponent != "self":
-        style = args.train_opponent.split(":", 1)[1] if args.train_opponent.startswith("rule:") else None
-        if style is None or (style != "any" and style not in styles):
-            raise UserError(f"--train-opponent must be 'self', 'rule:any' or 'rule:<style>' with a style in "
-                            f"{', '.join(styles)}; got {args.train_opponent!r}")
 
 
 def seed_everything(seed):
@@ -973,7 +936,6 @@ def main(args: Args):
     is_tiny = defaults.is_tiny
     players = list(probe.players) if two_player else ["agent"]
     styles = list(probe.opponent_styles()) if two_player else []
-    check_train_opponent(args, styles)
     if args.max_new_tokens is None:
         args.max_new_tokens = defaults.max_new_tokens
     if args.agent_max_new_tokens is None:
@@ -1012,7 +974,7 @@ def main(args: Args):
         t0 = time.time()
         pick = rng.choice(len(train_tasks), size=args.episodes_per_iteration,
                           replace=len(train_tasks) < args.episodes_per_iteration)
-        games = training_games(make_game, [train_tasks[int(i)] for i in pick], players, styles, args, rng, two_player)
+        games = training_games(make_game, [train_tasks[int(i)] for i in pick], players, styles, args, rng)
         episodes = rollout(model, tok, games, args, args.temperature, first_traj_id=next_id, real=not is_tiny)
         next_id += len(episodes)
         t_roll = time.time() - t0

@@ -11,6 +11,7 @@ Envs parse what it returns and never raise on any string.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Optional
@@ -327,6 +328,19 @@ class TwoPlayerEnv:
 
     # -- strategy moves (EPO): games in `envs.STRATEGY_MOVES` take `moves="strategy"` -------------------
     moves_mode: Optional[str] = None  # "utterance" or "strategy" in such a game; None in the others
+
+    @contextlib.contextmanager
+    def utterance_moves(self):
+        """Within the block, messages are read (and shown) as utterance moves, not strategies: what EPO's base
+        agent writes and sees. Nothing changes in a game without strategy moves."""
+        old = self.moves_mode
+        if old is not None:
+            self.moves_mode = "utterance"
+        try:
+            yield
+        finally:
+            if old is not None:
+                self.moves_mode = old
 
     def strategy_understood(self, strategy: str) -> bool:
         """Whether the game's strategy-following rule agent understands `strategy` (True by default)."""

@@ -77,3 +77,17 @@ def test_bad_seats_are_refused():
         envs.Seated(game, {"Alice": "policy"})
     with pytest.raises(ValueError, match="seat the policy"):
         envs.Seated(game, {"Alice": "fair", "Bob": "tough"})
+
+
+def test_utterance_moves_reads_messages_as_moves_only_inside_the_block():
+    game = envs.Seated(envs.make("negotiation", moves="strategy")).reset(envs.make("negotiation").task_ids("test")[0])
+    assert "Strategy: <at most 10 words>" in game.observe("Alice")[-1]["content"]
+    with game.env.utterance_moves():
+        assert game.env.moves_mode == "utterance" and "propose N" in game.observe("Alice")[-1]["content"]
+        step = game.step("Strategy: anchor high")  # not a move when read as an utterance
+    assert step.info["invalid"] and game.env.moves_mode == "strategy"
+    step = game.step("Strategy: anchor high")  # the rule agent plays it
+    assert not step.info["invalid"] and step.info["strategy"] == "Strategy: anchor high"
+    bargaining_game = envs.make("bargaining")
+    with bargaining_game.utterance_moves():
+        assert bargaining_game.moves_mode is None
