@@ -148,7 +148,7 @@ class Args:
     fixed_k: int = 0
     """use this k instead of the SplitScore choice (0: automatic)"""
     observation_labels: Literal["auto", "cluster", "exact"] = "auto"
-    """single-agent observations: 'cluster' (jointly with the actions), 'exact' (by text); auto: exact for twenty_questions"""
+    """single-agent observations: 'cluster' (with the actions) or 'exact' (by text); auto: exact for twenty_questions"""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -317,8 +317,9 @@ class Embedder:
 
                 _check_hub_reachable(name)
             except UserError as e:
+                hint = "use --embedder hash or a local encoder directory"
                 raise UserError(f"--embedder: {e}".replace("use --model-name tiny or a local checkpoint directory",
-                                                           "use --embedder hash or a local encoder directory")) from None
+                                                           hint)) from None
             except ImportError:
                 pass
         try:
@@ -607,8 +608,8 @@ def update(model, tok, optimizer, samples, args, rng):
             tot = 0.0
             for m in range(0, len(live), args.micro_batch_size):
                 chunk = live[m:m + args.micro_batch_size]
-                lp, mask = completion_logprobs(model, tok, [x["prompt"] for x in chunk], [x["completion"] for x in chunk],
-                                               temperature=args.temperature)
+                lp, mask = completion_logprobs(model, tok, [x["prompt"] for x in chunk],
+                                               [x["completion"] for x in chunk], temperature=args.temperature)
                 seq = lp.sum(-1)
                 w = torch.tensor([x["weight"] for x in chunk], dtype=seq.dtype, device=seq.device)
                 loss = reinforce_loss(seq, w, len(batch))
@@ -650,22 +651,20 @@ def episode_record(ep, tag, weights=None):
     return rec
 
 
-def evaluate(model, tok, new_env, probe, tasks, args, two_player):
+def evaluate(model, tok, new_game, probe, tasks, args, two_player):
     """Single agent: success over `eval_k` sampled games per test task and one greedy game per task.
-    Two-player: the policy plays each role against each scripted style (an `envs.Seated` game); the win
-    rate per role and style, sampled (`eval_k` games per task) and greedy."""
-    import envs
-
+    Two-player: the policy plays each role against each scripted style (`new_game(seats)`); the win rate
+    per role and style, sampled (`eval_k` games per task) and greedy."""
     out, records = {}, []
     if not two_player:
         tasks_k = [t for t in tasks for _ in range(args.eval_k)]
-        episodes = rollout(model, tok, lambda: envs.Seated(new_env()), tasks_k, args, args.eval_temperature)
+        episodes = rollout(model, tok, new_game, tasks_k, args, args.eval_temperature)
         out["eval/success"], out["eval/success_se"] = mean_se([ep.success for ep in episodes])
         out["eval/return"] = float(np.mean([ep.env_return for ep in episodes]))
         out["eval/episode_length"] = float(np.mean([ep.length for ep in episodes]))
         out["eval/invalid_frac"] = float(np.mean([s["invalid"] for ep in episodes for s in ep.steps]))
         records += [episode_record(ep, "eval/sampled") for ep in episodes[: args.num_logged_episodes]]
-        greedy = rollout(model, tok, lambda: envs.Seated(new_env()), tasks, args, 1.0, greedy=True)
+        greedy = rollout(model, tok, new_game, tasks, args, 1.0, greedy=True)
         out["eval/success_greedy"] = float(np.mean([ep.success for ep in greedy]))
         return out, records
     styles = list(args.eval_opponents) or list(probe.opponent_styles())
@@ -673,7 +672,7 @@ def evaluate(model, tok, new_env, probe, tasks, args, two_player):
     for role in probe.players:
         for style in styles:
             def make(role=role, style=style):
-                return envs.Seated(new_env(), {p: "policy" if p == role else style for p in probe.players})
+                return new_game({p: "policy" if p == role else style for p in probe.players})
 
             tasks_k = [t for t in tasks for _ in range(args.eval_k)]
             episodes = rollout(model, tok, make, tasks_k, args, args.eval_temperature)
@@ -829,8 +828,9 @@ def save_adapter(model, run_dir: Path):
 # 6. Main loop
 # ----------------------------------------------------------------------------------------------
 def make_env(env_id, env_kwargs, max_turns):
-    """A function that builds the env (user errors -> UserError) and one probe instance; a two-player
-    game is built whole (self-play), a single-agent env with `max_turns` when it is given."""
+    """`new_game(seats=None)`, which builds the env (a single-agent env with `max_turns` when it is given)
+    as an `envs.Seated` game (default seats: the policy in every seat, self-play in a two-player game),
+    and one probe env. User errors -> UserError."""
     import envs
     from common.models import UserError
 
@@ -851,7 +851,7 @@ def make_env(env_id, env_kwargs, max_turns):
         probe.reset(probe.task_ids("train")[0])
     except (ValueError, TypeError) as e:
         raise UserError(f"env {env_id!r}: {e}") from None
-    return make, probe
+    return lambda seats=None: envs.Seated(make(), seats), probe
 
 
 def check_args(args):
@@ -890,7 +890,7 @@ def main(args: Args):
     env_kwargs = dict(defaults.env_kwargs)
     if args.history is not None:
         env_kwargs["history"] = args.history
-    new_env, probe = make_env(args.env_id, env_kwargs, args.max_turns)
+    new_game, probe = make_env(args.env_id, env_kwargs, args.max_turns)
     two_player = args.env_id in envs.TWO_PLAYER
     eval_metric = "eval/payoff_share" if two_player else "eval/success"
     if two_player:
@@ -917,11 +917,12 @@ def main(args: Args):
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.Adam(params, lr=lr)
 
-    run_dir, logger = start_run(args, {"resolved_learning_rate": lr, "env_kwargs": env_kwargs, "two_player": two_player})
+    resolved = {"resolved_learning_rate": lr, "env_kwargs": env_kwargs, "two_player": two_player}
+    run_dir, logger = start_run(args, resolved)
 
     def run_eval(it):
         t0 = time.time()
-        row, records = evaluate(model, tok, new_env, probe, test_tasks, args, two_player)
+        row, records = evaluate(model, tok, new_game, probe, test_tasks, args, two_player)
         row["perf/eval_seconds"] = time.time() - t0
         logger.log_samples(it, records)
         return row
@@ -936,7 +937,7 @@ def main(args: Args):
         t0 = time.time()
         tasks = [train_tasks[i] for i in rng.choice(len(train_tasks), size=args.games_per_iteration,
                                                     replace=len(train_tasks) < args.games_per_iteration)]
-        episodes = rollout(model, tok, lambda: envs.Seated(new_env()), tasks, args, args.temperature)
+        episodes = rollout(model, tok, new_game, tasks, args, args.temperature)
         t_roll = time.time() - t0
         # credit: raw discounted returns, and their aggregation in the intention space (always logged)
         samples, cstats = compute_advantages(episodes, embedder, args)
