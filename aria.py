@@ -148,7 +148,7 @@ class Args:
     fixed_k: int = 0
     """use this k instead of the SplitScore choice (0: automatic)"""
     observation_labels: Literal["auto", "cluster", "exact"] = "auto"
-    """single-agent observations: 'cluster' (jointly with the actions), 'exact' (by text); auto: exact for twenty_questions"""
+    """single-agent observations: 'cluster' (with the actions) or 'exact' (by text); auto: exact for twenty_questions"""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -317,8 +317,9 @@ class Embedder:
 
                 _check_hub_reachable(name)
             except UserError as e:
+                hint = "use --embedder hash or a local encoder directory"
                 raise UserError(f"--embedder: {e}".replace("use --model-name tiny or a local checkpoint directory",
-                                                           "use --embedder hash or a local encoder directory")) from None
+                                                           hint)) from None
             except ImportError:
                 pass
         try:
@@ -501,35 +502,31 @@ def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False):
     return [row[: row.index(eos) + 1] if eos in row else row for row in out[:, L:].tolist()]
 
 
-def rollout(model, tok, new_env, task_ids, args, temperature, greedy=False, selfplay=False):
-    """Games of a batch of tasks, all envs stepped together (one generate per turn or round of messages).
+def rollout(model, tok, new_game, task_ids, args, temperature, greedy=False):
+    """Games of a batch of tasks, each an `envs.Seated` from `new_game()`, all stepped together (one generate
+    per turn or round of messages).
 
-    Single agent (`selfplay` False: an env against its oracle, or a two-player game against a scripted
-    opponent through `envs.vs_opponent`): the utterances are the parsed action and the observation of
-    every turn; R = 1 if solved, else 0. Self-play (`selfplay` True: a two-player game, the policy plays
-    both roles): every message is an utterance and a training step of its player; R per player is the win
-    indicator (`--game-reward win`) or the normalised payoff (`payoff`)."""
+    One policy seat (an env against its oracle, or a two-player game against a scripted style): the
+    utterances are the parsed action and the observation of every turn; R = 1 if solved, else 0. Self-play
+    (the policy in both seats of a two-player game): every message is an utterance and a training step of
+    its player; R per player is the win indicator (`--game-reward win`) or the normalised payoff (`payoff`)."""
     from envs import extract_action
 
-    envs_, episodes = [], []
-    for i, task in enumerate(task_ids):
-        env = new_env()
-        env.reset(task)
-        envs_.append(env)
-        episodes.append(Episode(traj_id=i, task_id=str(task)))
-    rounds = range(2 * envs_[0].max_turns_per_player() + 2 if envs_ else 0) if selfplay else itertools.count()
+    games = [new_game().reset(task) for task in task_ids]
+    episodes = [Episode(traj_id=i, task_id=str(task)) for i, task in enumerate(task_ids)]
+    selfplay = bool(games) and list(games[0].seats.values()).count("policy") > 1
+    rounds = range(2 * games[0].env.max_turns_per_player() + 2) if selfplay else itertools.count()
     model.eval()
     for _ in rounds:
-        active = [i for i, e in enumerate(envs_) if not e.done]
+        active = [i for i, g in enumerate(games) if not g.done]
         if not active:
             break
-        players = [envs_[i].current_player if selfplay else "agent" for i in active]
-        prompts = [encode(tok, render_prompt(tok, envs_[i].observe(p) if selfplay else envs_[i].messages()))
-                   for i, p in zip(active, players)]
+        players = [games[i].current_player if selfplay else "agent" for i in active]
+        prompts = [encode(tok, render_prompt(tok, games[i].observe(games[i].current_player))) for i in active]
         comps = generate(model, tok, prompts, temperature, args.max_new_tokens, greedy=greedy)
         for k, i in enumerate(active):
             text = decode_action(tok, comps[k])
-            st = envs_[i].step(text)
+            st = games[i].step(text)
             ep = episodes[i]
             ep.steps.append({"player": players[k], "pos": len(ep.utterances), "prompt": prompts[k],
                              "completion": comps[k], "invalid": bool(st.info.get("invalid", False))})
@@ -542,7 +539,8 @@ def rollout(model, tok, new_env, task_ids, args, temperature, greedy=False, self
                 if st.done:
                     ep.success = bool(st.info.get("success", False))
                     ep.share = float(st.info.get("progress", ep.success))
-    for env, ep in zip(envs_, episodes):
+    for game, ep in zip(games, episodes):
+        env = game.env
         if not selfplay:
             ep.outcome = {"agent": float(ep.success)}
             continue
@@ -610,8 +608,8 @@ def update(model, tok, optimizer, samples, args, rng):
             tot = 0.0
             for m in range(0, len(live), args.micro_batch_size):
                 chunk = live[m:m + args.micro_batch_size]
-                lp, mask = completion_logprobs(model, tok, [x["prompt"] for x in chunk], [x["completion"] for x in chunk],
-                                               temperature=args.temperature)
+                lp, mask = completion_logprobs(model, tok, [x["prompt"] for x in chunk],
+                                               [x["completion"] for x in chunk], temperature=args.temperature)
                 seq = lp.sum(-1)
                 w = torch.tensor([x["weight"] for x in chunk], dtype=seq.dtype, device=seq.device)
                 loss = reinforce_loss(seq, w, len(batch))
@@ -653,22 +651,20 @@ def episode_record(ep, tag, weights=None):
     return rec
 
 
-def evaluate(model, tok, new_env, probe, tasks, args, two_player):
+def evaluate(model, tok, new_game, probe, tasks, args, two_player):
     """Single agent: success over `eval_k` sampled games per test task and one greedy game per task.
-    Two-player: the policy plays each role against each scripted style (`envs.vs_opponent`); the win
-    rate per role and style, sampled (`eval_k` games per task) and greedy."""
-    import envs
-
+    Two-player: the policy plays each role against each scripted style (`new_game(seats)`); the win rate
+    per role and style, sampled (`eval_k` games per task) and greedy."""
     out, records = {}, []
     if not two_player:
         tasks_k = [t for t in tasks for _ in range(args.eval_k)]
-        episodes = rollout(model, tok, new_env, tasks_k, args, args.eval_temperature)
+        episodes = rollout(model, tok, new_game, tasks_k, args, args.eval_temperature)
         out["eval/success"], out["eval/success_se"] = mean_se([ep.success for ep in episodes])
         out["eval/return"] = float(np.mean([ep.env_return for ep in episodes]))
         out["eval/episode_length"] = float(np.mean([ep.length for ep in episodes]))
         out["eval/invalid_frac"] = float(np.mean([s["invalid"] for ep in episodes for s in ep.steps]))
         records += [episode_record(ep, "eval/sampled") for ep in episodes[: args.num_logged_episodes]]
-        greedy = rollout(model, tok, new_env, tasks, args, 1.0, greedy=True)
+        greedy = rollout(model, tok, new_game, tasks, args, 1.0, greedy=True)
         out["eval/success_greedy"] = float(np.mean([ep.success for ep in greedy]))
         return out, records
     styles = list(args.eval_opponents) or list(probe.opponent_styles())
@@ -676,7 +672,7 @@ def evaluate(model, tok, new_env, probe, tasks, args, two_player):
     for role in probe.players:
         for style in styles:
             def make(role=role, style=style):
-                return envs.vs_opponent(new_env(), f"rule:{style}", learner=role)
+                return new_game({p: "policy" if p == role else style for p in probe.players})
 
             tasks_k = [t for t in tasks for _ in range(args.eval_k)]
             episodes = rollout(model, tok, make, tasks_k, args, args.eval_temperature)
@@ -832,8 +828,9 @@ def save_adapter(model, run_dir: Path):
 # 6. Main loop
 # ----------------------------------------------------------------------------------------------
 def make_env(env_id, env_kwargs, max_turns):
-    """A function that builds the env (user errors -> UserError) and one probe instance; a two-player
-    game is built whole (self-play), a single-agent env with `max_turns` when it is given."""
+    """`new_game(seats=None)`, which builds the env (a single-agent env with `max_turns` when it is given)
+    as an `envs.Seated` game (default seats: the policy in every seat, self-play in a two-player game),
+    and one probe env. User errors -> UserError."""
     import envs
     from common.models import UserError
 
@@ -854,7 +851,7 @@ def make_env(env_id, env_kwargs, max_turns):
         probe.reset(probe.task_ids("train")[0])
     except (ValueError, TypeError) as e:
         raise UserError(f"env {env_id!r}: {e}") from None
-    return make, probe
+    return lambda seats=None: envs.Seated(make(), seats), probe
 
 
 def check_args(args):
@@ -893,7 +890,7 @@ def main(args: Args):
     env_kwargs = dict(defaults.env_kwargs)
     if args.history is not None:
         env_kwargs["history"] = args.history
-    new_env, probe = make_env(args.env_id, env_kwargs, args.max_turns)
+    new_game, probe = make_env(args.env_id, env_kwargs, args.max_turns)
     two_player = args.env_id in envs.TWO_PLAYER
     eval_metric = "eval/payoff_share" if two_player else "eval/success"
     if two_player:
@@ -920,11 +917,12 @@ def main(args: Args):
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.Adam(params, lr=lr)
 
-    run_dir, logger = start_run(args, {"resolved_learning_rate": lr, "env_kwargs": env_kwargs, "two_player": two_player})
+    resolved = {"resolved_learning_rate": lr, "env_kwargs": env_kwargs, "two_player": two_player}
+    run_dir, logger = start_run(args, resolved)
 
     def run_eval(it):
         t0 = time.time()
-        row, records = evaluate(model, tok, new_env, probe, test_tasks, args, two_player)
+        row, records = evaluate(model, tok, new_game, probe, test_tasks, args, two_player)
         row["perf/eval_seconds"] = time.time() - t0
         logger.log_samples(it, records)
         return row
@@ -939,7 +937,7 @@ def main(args: Args):
         t0 = time.time()
         tasks = [train_tasks[i] for i in rng.choice(len(train_tasks), size=args.games_per_iteration,
                                                     replace=len(train_tasks) < args.games_per_iteration)]
-        episodes = rollout(model, tok, new_env, tasks, args, args.temperature, selfplay=two_player)
+        episodes = rollout(model, tok, new_game, tasks, args, args.temperature)
         t_roll = time.time() - t0
         # credit: raw discounted returns, and their aggregation in the intention space (always logged)
         samples, cstats = compute_advantages(episodes, embedder, args)

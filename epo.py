@@ -229,29 +229,64 @@ def rule_critical_turns(progress, k=2, min_gain=1e-6):
     return crit
 
 
+PRM_SOCIAL = (
+    "Here's a conversation in JSON format between {a1} and {a2}:\n"
+    "In the first response from \"human\", you can find the context of the conversation and {a1}'s goal.\n"
+    "In the other responses from \"human\", you can find the conversation history between {a1} and {a2}.\n"
+    "In the responses from \"gpt\", you can find communication and social strategies that {a1} used for "
+    "achieving {a1}'s goal.\n"
+    "In the \"score\" field, you can find a score for evaluating {a1}'s goal achievement. The score ranges from 0 "
+    "and 10. 0 represents minimal goals achievement, 10 represents complete goal achievement, and a higher score "
+    "indicates that {a1} is making progress towards the goal.\n\n{history}\n\n"
+    "Your task is to select top strategies {a1} used that were critically important for achieving {a1}'s goal.\n\n")
+PRM_TASK = (
+    "Here's a conversation in JSON format between human and gpt.\n"
+    "In the first response from \"human\", you can find the {what} for gpt and Agent to {verb}.\n"
+    "In the responses from \"gpt\", you can find thoughts that gpt provides for helping Agent to {verb} the {goal}.\n"
+    "In the other responses from \"human\", you can find the trajectories of Agent's actions and the resulting "
+    "observations from the environment.\n\n"
+    "In the \"score\" field, you can find a score evaluating the goal achievement. The score ranges from 0 and 1. "
+    "0 represents minimal goals achievement, 1 represents complete goal achievement.\n\n{history}\n\n"
+    "Your task is to select top thoughts gpt produced that were critically important for {verb_ing} the {goal}.\n\n")
+PRM_OUTPUT = (  # how both prompts ask for the answer: {items} strategies or thoughts, {aim} what they serve
+    "Please output the selected round indexes and the reasoning process that led you to the selection in JSON "
+    "format like this: {{\"indexes\": , \"reasoning\": \"\"}}.\n"
+    "Here is the output schema: {{\"properties\": {{\"indexes\": {{\"description\": \"the selected top {items} "
+    "that are critically important for {aim}\", \"title\": \"indexes\", \"type\": \"list(integer)\"}}, "
+    "\"reasoning\": {{\"description\": \"the reasoning process why you select these {items}\", \"title\": "
+    "\"reasoning\", \"type\": \"string\"}}}}, \"required\": [\"indexes\", \"reasoning\"]}}.")
+PRM_TASK_WORDS = {
+    "webshop": dict(what="shopping goal", verb="achieve", verb_ing="achieving", goal="shopping goal"),
+    "alfworld": dict(what="initial environment observation and a household task", verb="accomplish",
+                     verb_ing="accomplishing", goal="household task"),
+}
+
 _JSON_OBJ = re.compile(r"\{.*?\}", re.DOTALL)
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
-def parse_prm_answer(text, turn_positions):
-    """The PRM's critical turns from its answer: the first `{...}` in `text` (official: re `\\{.*?\\}`,
-    control characters removed) parsed as JSON with a list "indexes" of conversation positions; turn t is
-    critical if its strategy's position turn_positions[t] is listed. Anything malformed (no JSON, no
-    list, non-integers, positions of non-strategy messages) marks nothing: never raises.
-    Returns length-T bools.
-    """
-    crit = [False] * len(turn_positions)
-    if not isinstance(text, str):
-        return crit
-    m = _JSON_OBJ.search(text)
+def prm_indexes(text):
+    """The list "indexes" of a PRM answer: the first `{...}` in `text` (official: re `\\{.*?\\}`, control
+    characters removed) parsed as JSON; None when there is no such list (no JSON, not a dict, no list)."""
+    m = _JSON_OBJ.search(text) if isinstance(text, str) else None
     if m is None:
-        return crit
+        return None
     try:
         obj = json.loads(_CONTROL.sub("", m.group(0)))
     except (ValueError, RecursionError):
-        return crit
+        return None
     idx = obj.get("indexes") if isinstance(obj, dict) else None
-    if not isinstance(idx, list):
+    return idx if isinstance(idx, list) else None
+
+
+def parse_prm_answer(text, turn_positions):
+    """The PRM's critical turns from its answer: turn t is critical if its strategy's conversation position
+    turn_positions[t] is in the answer's `prm_indexes`. Anything malformed (no JSON, no list,
+    non-integers, positions of non-strategy messages) marks nothing: never raises. Returns length-T bools.
+    """
+    crit = [False] * len(turn_positions)
+    idx = prm_indexes(text)
+    if idx is None:
         return crit
     where = {int(p): t for t, p in enumerate(turn_positions)}
     for v in idx:
@@ -261,6 +296,52 @@ def parse_prm_answer(text, turn_positions):
         if t is not None:
             crit[t] = True
     return crit
+
+
+def prm_prompt(tr: Episode, env_id: str, two_player: bool, other: str = ""):
+    """The paper's PRM prompt for one trajectory, and the conversation position of each strategy turn.
+
+    The conversation is the strategist's chat: human = what it saw (the first one with the context and
+    goal), gpt = its strategy; each entry carries its position "index" (official data format).
+    """
+    conv = []
+    for t, (view, strategy) in enumerate(zip(tr.views, tr.strategies)):
+        human = f"{tr.context}\n{view}" if t == 0 else view
+        conv.append({"from": "human", "value": human, "index": len(conv)})
+        conv.append({"from": "gpt", "value": strategy, "index": len(conv)})
+    positions = [2 * t + 1 for t in range(tr.length)]
+    history = json.dumps({"conversations": conv, "score": round(tr.score, 2)}, ensure_ascii=False)
+    if two_player:
+        text = PRM_SOCIAL.format(a1=tr.player, a2=other or "the other party", history=history)
+        return text + PRM_OUTPUT.format(items="strategies", aim=f"achieving {tr.player}'s goal"), positions
+    words = PRM_TASK_WORDS.get(env_id, dict(what="task", verb="accomplish", verb_ing="accomplishing", goal="task"))
+    text = PRM_TASK.format(history=history, **words)
+    return text + PRM_OUTPUT.format(items="thoughts", aim=f"{words['verb_ing']} the {words['goal']}"), positions
+
+
+def llm_prm(model, tok, episodes, args, env_id, two_player, players):
+    """Ask the frozen base model (adapters disabled) for each trajectory's critical turns.
+    Returns (critical lists, answers, parse failures)."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    prompts, positions = [], []
+    for tr in episodes:
+        other = [p for p in players if p != tr.player]
+        text, pos = prm_prompt(tr, env_id, two_player, other[0] if other else "")
+        ids = encode(tok, render_prompt(tok, [{"role": "user", "content": text}]))
+        if limit and len(ids) > limit - args.prm_max_new_tokens:  # keep the end: the task and the schema
+            ids = ids[len(ids) - (limit - args.prm_max_new_tokens):]
+        prompts.append(ids)
+        positions.append(pos)
+    answers = []
+    model.eval()
+    for s in range(0, len(prompts), args.micro_batch_size):
+        with model.disable_adapter():
+            comps = generate(model, tok, prompts[s:s + args.micro_batch_size], args.prm_temperature,
+                             args.prm_max_new_tokens)
+        answers += [decode(tok, c) for c in comps]
+    crits = [parse_prm_answer(a, pos) for a, pos in zip(answers, positions)]
+    fails = sum(1 for a in answers if prm_indexes(a) is None)
+    return crits, answers, fails
 
 
 def compute_advantages(episodes, args):
@@ -298,42 +379,6 @@ THOUGHT_SYSTEM = (
     "<action>...</action>. The agent's instructions:\n{context}")
 THOUGHT_FOOTER = "Give your guidance for the agent's next action: Thought: <one or two sentences>."
 
-PRM_SOCIAL = (
-    "Here's a conversation in JSON format between {a1} and {a2}:\n"
-    "In the first response from \"human\", you can find the context of the conversation and {a1}'s goal.\n"
-    "In the other responses from \"human\", you can find the conversation history between {a1} and {a2}.\n"
-    "In the responses from \"gpt\", you can find communication and social strategies that {a1} used for "
-    "achieving {a1}'s goal.\n"
-    "In the \"score\" field, you can find a score for evaluating {a1}'s goal achievement. The score ranges from 0 "
-    "and 10. 0 represents minimal goals achievement, 10 represents complete goal achievement, and a higher score "
-    "indicates that {a1} is making progress towards the goal.\n\n{history}\n\n"
-    "Your task is to select top strategies {a1} used that were critically important for achieving {a1}'s goal.\n\n"
-    "Please output the selected round indexes and the reasoning process that led you to the selection in JSON "
-    "format like this: {{\"indexes\": , \"reasoning\": \"\"}}.\n"
-    "Here is the output schema: {{\"properties\": {{\"indexes\": {{\"description\": \"the selected top strategies "
-    "that are critically important for achieving {a1}'s goal\", \"title\": \"indexes\", \"type\": "
-    "\"list(integer)\"}}, \"reasoning\": {{\"description\": \"the reasoning process why you select these "
-    "strategies\", \"title\": \"reasoning\", \"type\": \"string\"}}}}, \"required\": [\"indexes\", \"reasoning\"]}}.")
-PRM_TASK = (
-    "Here's a conversation in JSON format between human and gpt.\n"
-    "In the first response from \"human\", you can find the {what} for gpt and Agent to {verb}.\n"
-    "In the responses from \"gpt\", you can find thoughts that gpt provides for helping Agent to {verb} the {goal}.\n"
-    "In the other responses from \"human\", you can find the trajectories of Agent's actions and the resulting "
-    "observations from the environment.\n\n"
-    "In the \"score\" field, you can find a score evaluating the goal achievement. The score ranges from 0 and 1. "
-    "0 represents minimal goals achievement, 1 represents complete goal achievement.\n\n{history}\n\n"
-    "Your task is to select top thoughts gpt produced that were critically important for {verb_ing} the {goal}.\n\n"
-    "Please output the selected round indexes and the reasoning process that led you to the selection in JSON "
-    "format like this: {{\"indexes\": , \"reasoning\": \"\"}}.\n"
-    "Here is the output schema: {{\"properties\": {{\"indexes\": {{\"description\": \"the selected top thoughts "
-    "that are critically important for {verb_ing} the {goal}\", \"title\": \"indexes\", \"type\": "
-    "\"list(integer)\"}}, \"reasoning\": {{\"description\": \"the reasoning process why you select these "
-    "thoughts\", \"title\": \"reasoning\", \"type\": \"string\"}}}}, \"required\": [\"indexes\", \"reasoning\"]}}.")
-PRM_TASK_WORDS = {
-    "webshop": dict(what="shopping goal", verb="achieve", verb_ing="achieving", goal="shopping goal"),
-    "alfworld": dict(what="initial environment observation and a household task", verb="accomplish",
-                     verb_ing="accomplishing", goal="household task"),
-}
 OUTCOME_FROM_REWARD = ("webshop",)  # single-agent envs whose outcome is the final reward in [0, 1]
 
 
@@ -400,114 +445,35 @@ def with_own_strategies(messages, strategies):
     return with_user_suffix(messages, f"Your earlier strategies in this game: {listed}")
 
 
-@contextlib.contextmanager
-def utterance_moves(env):
-    """Temporarily read the env's messages as moves (not strategies): what the base agent writes and sees."""
-    old = env.moves_mode
-    if old is not None:
-        env.moves_mode = "utterance"
-    try:
-        yield
-    finally:
-        if old is not None:
-            env.moves_mode = old
+def context(game, player):
+    """What `player` was told: the game's system prompt without the move list, or the env's instructions."""
+    if game.two_player:
+        return game.env.system_prompt_for(player).split("\nMoves:")[0]
+    return game.env.system_prompt
 
 
-class Duel:
-    """A two-player game (Negotiation): `seats` maps each player to "policy" or a scripted style."""
-
-    def __init__(self, env, task_id, seats, real_model):
-        self.env, self.seats, self.real = env, dict(seats), real_model
-        env.reset(task_id)
-        self.players = tuple(env.players)
-        self.own = {p: [] for p in self.players}  # each policy seat's strategies so far
-
-    @property
-    def done(self):
-        return self.env.done
-
-    def current(self):
-        return self.env.current_player
-
-    def context(self, player):
-        return self.env.system_prompt_for(player).split("\nMoves:")[0]
-
-    def strategist_messages(self, player):
-        msgs = self.env.observe(player)
-        if self.real:  # an instruct strategist: the game, that it advises rather than plays, its own history
-            msgs = [{"role": "system", "content": STRATEGIST_SYSTEM.format(player=player, context=self.context(player))},
-                    *msgs[1:]]
-            msgs = with_own_strategies(msgs, self.own[player])
-        return msgs
-
-    def agent_messages(self, player, strategy):
-        with utterance_moves(self.env):
-            return with_user_suffix(self.env.observe(player), AGENT_HINT.format(strategy=strategy))
-
-    def rule_move(self, player, strategy):
-        return self.env.rule_agent_action(player, strategy)
-
-    def understood(self, strategy):
-        return self.env.strategy_understood(strategy)
-
-    def step(self, text, utterance):
-        with (utterance_moves(self.env) if utterance else contextlib.nullcontext()):
-            return self.env.step(text)
-
-    def scripted_step(self, player):
-        return self.env.step(self.env.scripted_action(player, self.seats[player]))
-
-    def result(self, player):
-        """(outcome in [0, 1], score on the env's scale, env return, won, deal)."""
-        env = self.env
-        deal = env.deal_round is not None
-        score = float(env.scores()[player])
-        return score / 10.0, score, float(env.payoffs()[player]), env.winner() == player, deal
+def strategist_messages(game, player, own, real):
+    """The strategist's prompt. Two-player: the player's view (an instruct strategist is told the game and
+    that it advises rather than plays); single agent: the env's prompt under the `Thought:` guide's system
+    prompt. An instruct strategist also sees its own earlier strategies `own` (`with_own_strategies`)."""
+    if game.two_player:
+        msgs = game.observe(player)
+        if not real:
+            return msgs
+        system = STRATEGIST_SYSTEM.format(player=player, context=context(game, player))
+    else:
+        msgs = with_user_suffix(game.observe(player), THOUGHT_FOOTER)
+        system = THOUGHT_SYSTEM.format(context=game.env.system_prompt)
+    msgs = [{"role": "system", "content": system}, *msgs[1:]]
+    return with_own_strategies(msgs, own) if real else msgs
 
 
-class Solo:
-    """A single-agent env (WebShop, ALFWorld, ...): the strategist writes thoughts for the agent."""
-
-    def __init__(self, env, task_id, real_model):
-        self.env, self.real, self.players, self.seats = env, real_model, ("agent",), {"agent": "policy"}
-        self.own = {"agent": []}
-        env.reset(task_id)
-        self.total, self.last_info = 0.0, {}
-
-    @property
-    def done(self):
-        return self.env.done
-
-    def current(self):
-        return "agent"
-
-    def context(self, player):
-        return self.env.system_prompt
-
-    def strategist_messages(self, player):
-        msgs = with_user_suffix(self.env.messages(), THOUGHT_FOOTER)
-        msgs = [{"role": "system", "content": THOUGHT_SYSTEM.format(context=self.env.system_prompt)}, *msgs[1:]]
-        return with_own_strategies(msgs, self.own["agent"]) if self.real else msgs
-
-    def agent_messages(self, player, strategy):
-        return with_user_suffix(self.env.messages(), THOUGHT_HINT.format(strategy=strategy))
-
-    def rule_move(self, player, strategy):
-        return self.env.rule_agent_action(strategy)
-
-    def understood(self, strategy):
-        return True
-
-    def step(self, text, utterance):
-        st = self.env.step(text)
-        self.total += float(st.reward)
-        self.last_info = st.info
-        return st
-
-    def result(self, player):
-        ok = bool(self.last_info.get("success", False))
-        outcome = min(1.0, max(0.0, self.total)) if self.env.env_id in OUTCOME_FROM_REWARD else float(ok)
-        return outcome, outcome, self.total, ok, ok
+def agent_messages(game, player, strategy):
+    """The base agent's prompt: its own view (moves read as utterances) and the strategist's hint."""
+    if not game.two_player:
+        return with_user_suffix(game.observe(player), THOUGHT_HINT.format(strategy=strategy))
+    with game.env.utterance_moves():
+        return with_user_suffix(game.observe(player), AGENT_HINT.format(strategy=strategy))
 
 
 @torch.no_grad()
@@ -541,125 +507,66 @@ def strategy_of(text: str) -> str:
     return s if len(s) <= 200 else s[:200]
 
 
-def rollout(model, tok, games, args, temperature, greedy=False, first_traj_id=0):
-    """Play every game to the end, all stepped together: per round, one batched strategist `generate` for
-    every game whose current player is a policy seat (and, for `--agent base`, one batched agent
-    `generate` with the adapter disabled). Scripted seats move in between. Returns one Episode per
-    (game, policy seat), in game order."""
+def rollout(model, tok, games, args, temperature, greedy=False, first_traj_id=0, real=False):
+    """Play every game (an `envs.Seated`, reset to its task) to the end, all stepped together: per round, one
+    batched strategist `generate` for every game whose turn it is (and, for `--agent base`, one batched agent
+    `generate` with the adapter disabled); scripted seats move inside the games. `real`: an instruct
+    strategist (its prompts). Returns one Episode per (game, policy seat), in game order."""
     episodes = {}
     for g, game in enumerate(games):
         for p in game.players:
-            if game.seats.get(p) == "policy":
+            if game.seats[p] == "policy":
                 others = [game.seats[q] for q in game.players if q != p]
                 opp = "" if not others else ("self" if others[0] == "policy" else others[0])
-                episodes[(g, p)] = Episode(first_traj_id + len(episodes), g, str(game.env.task_id), p, opp,
-                                           context=game.context(p))
-    prog = [{p: 0.0 for p in game.players} for game in games]
-
-    def note(g, player, st):
-        if "progress_by_player" in st.info:
-            prog[g].update({q: float(v) for q, v in st.info["progress_by_player"].items() if q in prog[g]})
-        elif "progress" in st.info:
-            prog[g][player] = float(st.info["progress"])
-
+                episodes[(g, p)] = Episode(first_traj_id + len(episodes), g, str(game.task_id), p, opp,
+                                           context=context(game, p))
     model.eval()
     for _ in range(10_000):  # every game ends (max turns / invalid streaks); this only bounds a bug
-        for g, game in enumerate(games):  # scripted seats move until a policy seat is to act
-            while not game.done and game.seats[game.current()] != "policy":
-                p = game.current()
-                note(g, p, game.scripted_step(p))
         live = [g for g, game in enumerate(games) if not game.done]
         if not live:
             break
-        who = [games[g].current() for g in live]
-        msgs = [games[g].strategist_messages(p) for g, p in zip(live, who)]
+        who = [games[g].current_player for g in live]
+        msgs = [strategist_messages(games[g], p, episodes[(g, p)].strategies, real) for g, p in zip(live, who)]
         prompts = [encode(tok, render_prompt(tok, m)) for m in msgs]
         comps = generate(model, tok, prompts, temperature, args.max_new_tokens, greedy)
         strategies = [strategy_of(decode(tok, c)) for c in comps]
         if args.agent == "rule":
-            moves = [games[g].rule_move(p, s) for g, p, s in zip(live, who, strategies)]
+            moves = [games[g].env.rule_agent_action(p, s) for g, p, s in zip(live, who, strategies)]
         else:
-            agent_prompts = [encode(tok, render_prompt(tok, games[g].agent_messages(p, s)))
+            agent_prompts = [encode(tok, render_prompt(tok, agent_messages(games[g], p, s)))
                              for g, p, s in zip(live, who, strategies)]
             with model.disable_adapter():
                 acomps = generate(model, tok, agent_prompts, args.agent_temperature, args.agent_max_new_tokens)
             moves = [decode(tok, c) for c in acomps]
         for k, (g, p) in enumerate(zip(live, who)):
-            tr = episodes[(g, p)]
+            game, tr = games[g], episodes[(g, p)]
             tr.prompts.append(prompts[k])
             tr.completions.append(comps[k])
             tr.strategies.append(strategies[k])
-            games[g].own[p].append(strategies[k])
             tr.views.append(msgs[k][-1]["content"])
-            tr.progress.append(prog[g][p])
-            tr.understood.append(games[g].understood(strategies[k]))
-            st = games[g].step(moves[k], utterance=args.agent == "base")
+            tr.progress.append(game.progress(p))
+            tr.understood.append(game.env.strategy_understood(strategies[k]) if game.two_player else True)
+            said = game.two_player and args.agent == "base"  # the base agent's text is a move, not a strategy
+            with game.env.utterance_moves() if said else contextlib.nullcontext():
+                st = game.step(moves[k])
             tr.moves.append(moves[k] if len(moves[k]) <= 200 else moves[k][:200])
             tr.invalid.append(bool(st.info.get("invalid", False)))
-            note(g, p, st)
+            tr.env_return += float(st.reward)  # single agent: the return; two-player: set from the payoffs below
+            tr.won = bool(st.info.get("success", False))
     out = []
     for (g, p), tr in episodes.items():
-        tr.progress.append(prog[g][p])
-        tr.outcome, tr.score, tr.env_return, tr.won, tr.deal = games[g].result(p)
+        game, env = games[g], games[g].env
+        tr.progress.append(game.progress(p))
+        if game.two_player:
+            tr.score = float(env.scores()[p])
+            tr.outcome, tr.env_return, tr.won = tr.score / 10.0, float(env.payoffs()[p]), env.winner() == p
+            tr.deal = env.deal_round is not None
+        else:
+            tr.deal = tr.won
+            from_reward = env.env_id in OUTCOME_FROM_REWARD
+            tr.outcome = tr.score = min(1.0, max(0.0, tr.env_return)) if from_reward else float(tr.won)
         out.append(tr)
     return out
-
-
-def prm_prompt(tr: Episode, env_id: str, two_player: bool, other: str = ""):
-    """The paper's PRM prompt for one trajectory, and the conversation position of each strategy turn.
-
-    The conversation is the strategist's chat: human = what it saw (the first one with the context and
-    goal), gpt = its strategy; each entry carries its position "index" (official data format).
-    """
-    conv = []
-    for t, (view, strategy) in enumerate(zip(tr.views, tr.strategies)):
-        human = f"{tr.context}\n{view}" if t == 0 else view
-        conv.append({"from": "human", "value": human, "index": len(conv)})
-        conv.append({"from": "gpt", "value": strategy, "index": len(conv)})
-    positions = [2 * t + 1 for t in range(tr.length)]
-    history = json.dumps({"conversations": conv, "score": round(tr.score, 2)}, ensure_ascii=False)
-    if two_player:
-        text = PRM_SOCIAL.format(a1=tr.player, a2=other or "the other party", history=history)
-    else:
-        words = PRM_TASK_WORDS.get(env_id, dict(what="task", verb="accomplish", verb_ing="accomplishing", goal="task"))
-        text = PRM_TASK.format(history=history, **words)
-    return text, positions
-
-
-def llm_prm(model, tok, episodes, args, env_id, two_player, players):
-    """Ask the frozen base model (adapters disabled) for each trajectory's critical turns.
-    Returns (critical lists, answers, parse failures)."""
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    prompts, positions = [], []
-    for tr in episodes:
-        other = [p for p in players if p != tr.player]
-        text, pos = prm_prompt(tr, env_id, two_player, other[0] if other else "")
-        ids = encode(tok, render_prompt(tok, [{"role": "user", "content": text}]))
-        if limit and len(ids) > limit - args.prm_max_new_tokens:  # keep the end: the task and the schema
-            ids = ids[len(ids) - (limit - args.prm_max_new_tokens):]
-        prompts.append(ids)
-        positions.append(pos)
-    answers = []
-    model.eval()
-    for s in range(0, len(prompts), args.micro_batch_size):
-        with model.disable_adapter():
-            comps = generate(model, tok, prompts[s:s + args.micro_batch_size], args.prm_temperature,
-                             args.prm_max_new_tokens)
-        answers += [decode(tok, c) for c in comps]
-    crits = [parse_prm_answer(a, pos) for a, pos in zip(answers, positions)]
-    fails = sum(1 for a in answers if not _prm_answer_ok(a))
-    return crits, answers, fails
-
-
-def _prm_answer_ok(text) -> bool:
-    m = _JSON_OBJ.search(text or "")
-    if not m:
-        return False
-    try:
-        obj = json.loads(_CONTROL.sub("", m.group(0)))
-    except (ValueError, RecursionError):
-        return False
-    return isinstance(obj, dict) and isinstance(obj.get("indexes"), list)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -725,7 +632,8 @@ def update(model, tok, episodes, args, lr, rng):
             for c in range(0, len(turns), args.micro_batch_size):
                 chunk = turns[c:c + args.micro_batch_size]
                 lp, mask = completion_logprobs(model, tok, [batch[j].prompts[t] for j, t in chunk],
-                                               [batch[j].completions[t] for j, t in chunk], temperature=args.temperature)
+                                               [batch[j].completions[t] for j, t in chunk],
+                                               temperature=args.temperature)
                 loss = lp.sum() * 0.0
                 for j in sorted({j for j, _ in chunk}):
                     rows = [r for r, (jj, _) in enumerate(chunk) if jj == j]
@@ -781,23 +689,17 @@ def episode_record(tr: Episode, tag: str) -> dict:
     return rec
 
 
-def evaluate(model, tok, make_game, tasks, players, styles, args):
+def evaluate(model, tok, make_game, tasks, players, styles, args, real):
     """Two-player: each test task in each role against every scripted style (sampled at eval_temperature
     and greedy), plus self-chat; single-agent: each test task (sampled and greedy). Returns (row, records)."""
     row, records = {}, []
-    if styles:
-        specs = [(task, role, style) for style in styles for role in players for task in tasks]
+    specs = ([(task, role, style) for style in styles for role in players for task in tasks] if styles
+             else [(task, "agent", "") for task in tasks])
 
-        def build():
-            return [make_game(task, {role: "policy", **{q: style for q in players if q != role}})
-                    for task, role, style in specs]
-    else:
-        specs = [(task, "agent", "") for task in tasks]
-
-        def build():
-            return [make_game(task, {"agent": "policy"}) for task, _, _ in specs]
-    sampled = rollout(model, tok, build(), args, args.eval_temperature)
-    greedy = rollout(model, tok, build(), args, 0.0, greedy=True)
+    def build():
+        return [make_game(task, {p: "policy" if p == role else style for p in players}) for task, role, style in specs]
+    sampled = rollout(model, tok, build(), args, args.eval_temperature, real=real)
+    greedy = rollout(model, tok, build(), args, 0.0, greedy=True, real=real)
     for key, v in trajectory_stats(sampled).items():
         row[f"eval/{key}"] = v
     row["eval/success"] = row["eval/win_rate"]
@@ -816,7 +718,7 @@ def evaluate(model, tok, make_game, tasks, players, styles, args):
     records += [episode_record(tr, "eval_sampled") for tr in sampled[: args.num_logged_episodes]]
     if styles and args.eval_selfplay:
         sp = rollout(model, tok, [make_game(task, {p: "policy" for p in players}) for task in tasks], args,
-                  args.eval_temperature)
+                     args.eval_temperature, real=real)
         for key, v in trajectory_stats(sp).items():
             if key in ("goal_score", "deal_rate", "episode_length"):
                 row[f"eval/selfplay_{key}"] = v
@@ -853,7 +755,8 @@ def write_summary(run_dir, args, wall_seconds, first_eval, last_eval, eval_metri
 
 def iteration_row(episodes, ustats, prm_fails, t_roll, t_prm, t_upd, args):
     """The metrics of one iteration: training trajectories, losses, credit and seconds per phase."""
-    all_w = np.concatenate([np.asarray(tr.weights, dtype=float) for tr in episodes if tr.length]) if episodes else np.zeros(0)
+    weights = [np.asarray(tr.weights, dtype=float) for tr in episodes if tr.length]
+    all_w = np.concatenate(weights) if episodes else np.zeros(0)
     n_turns = sum(tr.length for tr in episodes)
     row = {f"charts/{key}": v for key, v in trajectory_stats(episodes).items()}
     row.update({
@@ -946,8 +849,8 @@ def save_adapter(model, run_dir: Path):
 # 6. Main loop
 # ----------------------------------------------------------------------------------------------
 def make_env(args):
-    """-> (tiny overrides, policy defaults, env kwargs, make_game(task, seats, real), probe env, two_player).
-    User errors -> UserError."""
+    """-> (tiny overrides, policy defaults, env kwargs, make_game(task, seats) -> a reset `envs.Seated`, probe env,
+    two_player). User errors -> UserError."""
     import envs
     from common.models import UserError, policy_defaults
 
@@ -974,10 +877,14 @@ def make_env(args):
                         f"{args.env_id!r} has none: use --agent base")
     if not two_player and args.train_opponent != "self":
         raise UserError("--train-opponent applies to two-player games only")
+    styles = probe.opponent_styles() if two_player else []
+    style = args.train_opponent.split(":", 1)[1] if args.train_opponent.startswith("rule:") else None
+    if args.train_opponent != "self" and (style is None or (style != "any" and style not in styles)):
+        raise UserError(f"--train-opponent must be 'self', 'rule:any' or 'rule:<style>' with a style in "
+                        f"{', '.join(styles)}; got {args.train_opponent!r}")
 
-    def make_game(task, seats, real):
-        env = envs.make(args.env_id, **env_kwargs)
-        return Duel(env, task, seats, real) if two_player else Solo(env, task, real)
+    def make_game(task, seats):
+        return envs.Seated(envs.make(args.env_id, **env_kwargs), seats).reset(task)
 
     return overrides, defaults, env_kwargs, make_game, probe, two_player
 
@@ -993,33 +900,19 @@ def check_args(args):
         raise UserError("--micro-batch-size and --trajectories-per-step must be >= 1, --eval-num-tasks >= 0")
 
 
-def training_games(make_game, tasks, players, styles, args, rng, two_player):
-    """One game per task, with its seats: the policy alone, the policy in every seat (`--train-opponent
-    self`), or the policy in one role, alternating, against a scripted style (`rule:<style>`; `rule:any`
-    draws one per game)."""
+def training_games(make_game, tasks, players, styles, args, rng):
+    """One game per task, with its seats: the policy in every seat (a single-agent env's one seat, or
+    self-chat with `--train-opponent self`), or the policy in one role, alternating, against a scripted
+    style (`rule:<style>`; `rule:any` draws one per game)."""
     games = []
     for n, task in enumerate(tasks):
-        if not two_player:
-            seats = {"agent": "policy"}
-        elif args.train_opponent == "self":
-            seats = {p: "policy" for p in players}
-        else:
+        seats = {p: "policy" for p in players}
+        if args.train_opponent != "self":
             style = args.train_opponent.split(":", 1)[1]
             style = styles[int(rng.integers(len(styles)))] if style == "any" else style
-            role = players[n % len(players)]
-            seats = {p: ("policy" if p == role else style) for p in players}
+            seats.update({p: style for p in players if p != players[n % len(players)]})
         games.append(make_game(task, seats))
     return games
-
-
-def check_train_opponent(args, styles):
-    from common.models import UserError
-
-    if args.train_opponent != "self":
-        style = args.train_opponent.split(":", 1)[1] if args.train_opponent.startswith("rule:") else None
-        if style is None or (style != "any" and style not in styles):
-            raise UserError(f"--train-opponent must be 'self', 'rule:any' or 'rule:<style>' with a style in "
-                            f"{', '.join(styles)}; got {args.train_opponent!r}")
 
 
 def seed_everything(seed):
@@ -1039,11 +932,10 @@ def main(args: Args):
     check_args(args)
     rng = seed_everything(args.seed)
 
-    overrides, defaults, env_kwargs, make_game_, probe, two_player = make_env(args)
+    overrides, defaults, env_kwargs, make_game, probe, two_player = make_env(args)
     is_tiny = defaults.is_tiny
     players = list(probe.players) if two_player else ["agent"]
     styles = list(probe.opponent_styles()) if two_player else []
-    check_train_opponent(args, styles)
     if args.max_new_tokens is None:
         args.max_new_tokens = defaults.max_new_tokens
     if args.agent_max_new_tokens is None:
@@ -1061,14 +953,11 @@ def main(args: Args):
                              lora_dropout=args.lora_dropout, activation_checkpointing=args.activation_checkpointing,
                              tiny_overrides=overrides if args.model_name == "tiny" else None)
 
-    def make_game(task, seats):
-        return make_game_(task, seats, not is_tiny)
-
     run_dir, logger = start_run(args, {"resolved_learning_rate": lr, "env_kwargs": env_kwargs})
 
     def run_eval(it):
         t0 = time.time()
-        row, records = evaluate(model, tok, make_game, test_tasks, players, styles, args)
+        row, records = evaluate(model, tok, make_game, test_tasks, players, styles, args, not is_tiny)
         row["perf/eval_seconds"] = time.time() - t0
         logger.log_samples(it, records)
         return row
@@ -1085,8 +974,8 @@ def main(args: Args):
         t0 = time.time()
         pick = rng.choice(len(train_tasks), size=args.episodes_per_iteration,
                           replace=len(train_tasks) < args.episodes_per_iteration)
-        games = training_games(make_game, [train_tasks[int(i)] for i in pick], players, styles, args, rng, two_player)
-        episodes = rollout(model, tok, games, args, args.temperature, first_traj_id=next_id)
+        games = training_games(make_game, [train_tasks[int(i)] for i in pick], players, styles, args, rng)
+        episodes = rollout(model, tok, games, args, args.temperature, first_traj_id=next_id, real=not is_tiny)
         next_id += len(episodes)
         t_roll = time.time() - t0
 

@@ -1,4 +1,4 @@
-"""Text environments: `envs.make(env_id, **options)` and `envs.vs_opponent(...)`.
+"""Text environments: `envs.make(env_id, **options)`, `envs.Seated(env, seats)` and `envs.vs_opponent(...)`.
 
 Every env follows the protocol in `envs/base.py` (docs/design.md, "Envs").
 """
@@ -44,13 +44,99 @@ def make(env_id: str, **options: Any):
     return getattr(importlib.import_module(module), cls)(**options)
 
 
+class Seated:
+    """A game with its seats filled: the one way the methods play an env (docs/envs.md, "Seated games").
+
+    `seats` maps each player of a two-player game to "policy" (its moves come from outside, through
+    `step`) or to one of the game's scripted styles (`opponent_styles()`); the default seats the policy
+    everywhere (self-play). A single-agent env (a `TextEnv`) has one seat, "agent", the policy's.
+    Scripted seats move by themselves, in `reset` when they open and in `step` after a policy move,
+    until a policy seat is to act or the game is over: `current_player` is always a policy seat.
+
+    `step(text)` plays the current player's raw text (the game parses it; text it cannot parse is an
+    invalid move and the same player acts again) and returns a `Step` from that player's side after
+    the scripted replies: its view, its payoff once the game is over (else 0), and in `info`, beside
+    the game's own keys, "success" (its payoff beats the other's), "payoffs" ({} before the end),
+    "progress" (its deal position), "progress_by_player" and, at the end, "scores". A single-agent
+    env's `Step` is passed on as it is.
+    """
+
+    def __init__(self, env, seats: Optional[dict] = None):
+        self.env = env
+        self.two_player = isinstance(env, TwoPlayerEnv)
+        self.players = tuple(env.players) if self.two_player else ("agent",)
+        self.seats = dict(seats) if seats is not None else {p: "policy" for p in self.players}
+        if sorted(self.seats) != sorted(self.players) or "policy" not in self.seats.values():
+            raise ValueError(f"seats must name each player of {self.players} and seat the policy at least once, "
+                             f"got {seats!r}")
+        styles = env.opponent_styles() if self.two_player else []
+        for style in self.seats.values():
+            if style != "policy" and style not in styles:
+                raise ValueError(f"unknown opponent style {style!r}; known: {', '.join(styles)}")
+        self._progress = 0.0  # single agent: the last info["progress"] the env reported
+
+    @property
+    def task_id(self) -> Optional[str]:
+        return self.env.task_id
+
+    @property
+    def done(self) -> bool:
+        return self.env.done
+
+    @property
+    def current_player(self) -> str:
+        return self.env.current_player if self.two_player else "agent"
+
+    def reset(self, task_id: str) -> "Seated":
+        self.env.reset(task_id)
+        self._progress = 0.0
+        self._scripted_moves()
+        return self
+
+    def _scripted_moves(self) -> None:
+        while self.two_player and not self.env.done and self.seats[self.env.current_player] != "policy":
+            player = self.env.current_player
+            self.env.step(self.env.scripted_action(player, self.seats[player]))
+
+    def observe(self, player: str) -> list[dict]:
+        """`player`'s chat messages now (a single-agent env's `messages()`)."""
+        return self.env.observe(player) if self.two_player else self.env.messages()
+
+    def progress(self, player: str) -> float:
+        """`player`'s progress now: its deal position, or a single-agent env's last reported progress."""
+        return float(self.env.progress(player)) if self.two_player else self._progress
+
+    def step(self, text: Any) -> Step:
+        if not self.two_player:
+            step = self.env.step(text)
+            self._progress = float(step.info.get("progress", self._progress))
+            return step
+        game, player = self.env, self.env.current_player
+        step = game.step(text)
+        self._scripted_moves()
+        other = [p for p in self.players if p != player][0]
+        done = game.done
+        pay = game.payoffs() if done else {}
+        info = dict(step.info)
+        info["invalid"] = bool(step.info.get("invalid", False))
+        info["success"] = bool(done and pay.get(player, 0.0) > pay.get(other, 0.0))
+        info["payoffs"] = pay
+        # after the scripted replies, from the player's side
+        info["progress"] = float(game.progress(player))
+        info["progress_by_player"] = {p: float(game.progress(p)) for p in self.players}
+        if done:
+            info["scores"] = game.scores()
+        return Step(game.last_view(player), float(pay.get(player, 0.0)) if done else 0.0, done, info)
+
+
 class VsOpponent(TextEnv):
     """A two-player game seen by one learner role, the other role played by a scripted opponent.
 
     The single-agent protocol holds: `reset`, `step` (the learner's raw text), `messages()` (the
-    learner's private view), `state_key`, `expert_action`. The opponent moves inside `reset` (when it
-    opens) and inside `step` (after the learner). Reward is the learner's payoff at the end;
-    `info["success"]` is a win (the learner's payoff is higher than the opponent's).
+    learner's private view), `state_key`, `expert_action`. It is a `Seated` game with the learner's
+    seat the policy's: the opponent moves inside `reset` (when it opens) and inside `step` (after the
+    learner). Reward is the learner's payoff at the end; `info["success"]` is a win (the learner's
+    payoff is higher than the opponent's).
     """
 
     def __init__(self, game: TwoPlayerEnv, opponent: str = "rule:fair", learner: Optional[str] = None):
@@ -64,9 +150,7 @@ class VsOpponent(TextEnv):
         if not opponent.startswith("rule:"):
             raise ValueError(f"opponent must look like 'rule:<style>', got {opponent!r}")
         self.opponent_style = opponent.split(":", 1)[1]
-        styles = game.opponent_styles()
-        if self.opponent_style not in styles:
-            raise ValueError(f"unknown opponent style {self.opponent_style!r}; known: {', '.join(styles)}")
+        self.seated = Seated(game, {self.learner: "policy", self.opponent_role: self.opponent_style})
         self.max_turns = game.max_turns_per_player()
         self.system_prompt = game.system_prompt_for(self.learner)
         self.target = getattr(game, "target", None)
@@ -74,33 +158,12 @@ class VsOpponent(TextEnv):
     def task_ids(self, split: str) -> list[str]:
         return self.game.task_ids(split)
 
-    def _opponent_moves(self) -> None:
-        while not self.game.done and self.game.current_player == self.opponent_role:
-            self.game.step(self.game.scripted_action(self.opponent_role, self.opponent_style))
-
     def _reset(self, task_id: str) -> str:
-        self.game.reset(task_id)
-        self._opponent_moves()
+        self.seated.reset(task_id)
         return self.game.last_view(self.learner)
 
     def _step(self, action: str) -> Step:
-        step = self.game.step(action)
-        invalid = step.info.get("invalid", False)
-        if not invalid:
-            self._opponent_moves()
-        done = self.game.done
-        pay = self.game.payoffs() if done else {}
-        reward = float(pay.get(self.learner, 0.0)) if done else 0.0
-        info = dict(step.info)
-        info["invalid"] = invalid
-        info["success"] = bool(done and pay.get(self.learner, 0.0) > pay.get(self.opponent_role, 0.0))
-        info["payoffs"] = pay
-        # after the opponent's reply, from the learner's side
-        info["progress"] = float(self.game.progress(self.learner))
-        info["progress_by_player"] = {p: float(self.game.progress(p)) for p in self.game.players}
-        if done:
-            info["scores"] = self.game.scores()
-        return Step(self.game.last_view(self.learner), reward, done, info)
+        return self.seated.step(action)
 
     def messages(self) -> list[dict]:
         return self.game.observe(self.learner)
@@ -120,5 +183,5 @@ def vs_opponent(env: TwoPlayerEnv, opponent: str = "rule:fair", learner: Optiona
     return VsOpponent(env, opponent=opponent, learner=learner)
 
 
-__all__ = ["make", "available", "vs_opponent", "VsOpponent", "Step", "TextEnv", "TwoPlayerEnv",
+__all__ = ["make", "available", "Seated", "vs_opponent", "VsOpponent", "Step", "TextEnv", "TwoPlayerEnv",
            "extract_action", "INSTRUCT_FORMAT", "REGISTRY", "TWO_PLAYER"]

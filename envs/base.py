@@ -1,7 +1,8 @@
 """The text-environment protocol shared by every env (docs/design.md, "Envs").
 
-Single-agent envs subclass `TextEnv`; two-player games subclass `TwoPlayerEnv` and become single-agent
-envs against a scripted opponent through `vs_opponent` (in `envs/__init__.py`).
+Single-agent envs subclass `TextEnv`; two-player games subclass `TwoPlayerEnv`, are played with their
+seats filled (a policy or a scripted style each) through `Seated`, and become single-agent envs against a
+scripted opponent through `vs_opponent` (both in `envs/__init__.py`).
 
 Action parsing is shared: `extract_action(text)` takes the content of the last `<action>...</action>`
 tag (after an optional `<think>...</think>`) when tags are present, else the whole text, stripped.
@@ -10,6 +11,7 @@ Envs parse what it returns and never raise on any string.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Optional
@@ -283,7 +285,7 @@ class TwoPlayerEnv:
     def expert_action(self, player: Optional[str] = None) -> str:
         raise NotImplementedError
 
-    # -- used by vs_opponent, self-play and the tiny demos --------------------------------------
+    # -- used by Seated, vs_opponent and the tiny demos ------------------------------------------
     def opponent_styles(self) -> list[str]:
         """Names of the scripted opponent styles (e.g. "tough", "fair", "conceding", "tit_for_tat")."""
         raise NotImplementedError
@@ -326,6 +328,19 @@ class TwoPlayerEnv:
 
     # -- strategy moves (EPO): games in `envs.STRATEGY_MOVES` take `moves="strategy"` -------------------
     moves_mode: Optional[str] = None  # "utterance" or "strategy" in such a game; None in the others
+
+    @contextlib.contextmanager
+    def utterance_moves(self):
+        """Within the block, messages are read (and shown) as utterance moves, not strategies: what EPO's base
+        agent writes and sees. Nothing changes in a game without strategy moves."""
+        old = self.moves_mode
+        if old is not None:
+            self.moves_mode = "utterance"
+        try:
+            yield
+        finally:
+            if old is not None:
+                self.moves_mode = old
 
     def strategy_understood(self, strategy: str) -> bool:
         """Whether the game's strategy-following rule agent understands `strategy` (True by default)."""

@@ -252,15 +252,10 @@ def test_user_errors_are_one_clear_line(tiny_cache, flags, words):
 def test_instruct_strategist_sees_its_own_earlier_strategies():
     import envs
 
-    env = envs.make("negotiation")
-    task = env.task_ids("test")[0]
-    real = epo.Duel(env, task, {p: "policy" for p in env.players}, real_model=True)
-    p = real.current()
-    assert "earlier strategies" not in real.strategist_messages(p)[-1]["content"]
-    real.own[p] += ["Open low", "Concede a little"]
-    last = real.strategist_messages(p)[-1]["content"]
+    game = envs.Seated(envs.make("negotiation")).reset(envs.make("negotiation").task_ids("test")[0])
+    p = game.current_player
+    assert "earlier strategies" not in epo.strategist_messages(game, p, [], real=True)[-1]["content"]
+    last = epo.strategist_messages(game, p, ["Open low", "Concede a little"], real=True)[-1]["content"]
     assert last.endswith("Your earlier strategies in this game: 1. Open low; 2. Concede a little")
-    tiny_env = envs.make("negotiation")
-    tiny_duel = epo.Duel(tiny_env, task, {q: "policy" for q in tiny_env.players}, real_model=False)
-    tiny_duel.own[p] += ["Open low"]
-    assert "earlier strategies" not in tiny_duel.strategist_messages(p)[-1]["content"]  # its trained format
+    tiny = epo.strategist_messages(game, p, ["Open low"], real=False)
+    assert "earlier strategies" not in tiny[-1]["content"] and tiny == game.observe(p)  # its trained format
