@@ -503,31 +503,6 @@ def completion_logprobs(model, tok, prompt_ids, completion_ids, temperature=1.0)
     return logp * cmask, cmask
 
 
-def policy_loss(logp, old_logp, ref_logp, adv, mask, clip_eps, dual_clip, kl_coef):
-    """Eq. 9 per token, token-mean over `mask`:
-
-        ratio = exp(logp - old);  pg = -min(ratio A, clip(ratio, 1 - ε, 1 + ε) A)
-        for A < 0: pg = min(pg, -c A)  (dual clip)
-        k3 = exp(ref - logp) - (ref - logp) - 1   (verl low_var_kl, clamped to [-10, 10])
-        loss = Σ mask (pg + β k3) / Σ mask
-    Returns (loss, pg_loss, kl, clip_frac) (the last three detached, as floats).
-    """
-    n = mask.sum().clamp(min=1.0)
-    ratio = torch.exp(logp - old_logp)
-    l1 = -adv * ratio
-    l2 = -adv * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
-    pg = torch.maximum(l1, l2)
-    if dual_clip and dual_clip > 1.0:
-        pg = torch.where(adv < 0, torch.minimum(pg, -adv * dual_clip), pg)
-    log_r = (ref_logp - logp).clamp(-20.0, 20.0)
-    k3 = (torch.exp(log_r) - log_r - 1.0).clamp(-10.0, 10.0)
-    pg_loss = (pg * mask).sum() / n
-    kl = (k3 * mask).sum() / n
-    loss = pg_loss + kl_coef * kl if kl_coef else pg_loss
-    clip_frac = (((l2 > l1).float()) * mask).sum() / n
-    return loss, pg_loss.item(), kl.item(), clip_frac.item()
-
-
 def _padded(samples, key, C, device):
     """Right-aligned [B, C] tensor of the per-token vectors samples[j][key]."""
     out = torch.zeros((len(samples), C), device=device)
@@ -551,6 +526,31 @@ def token_logprobs(model, tok, samples, adapter, micro_batch_size, temperature=1
                                         temperature=temperature)
         out += [lp[j, lp.shape[1] - len(x["completion"]):].float().cpu() for j, x in enumerate(chunk)]
     return out
+
+
+def policy_loss(logp, old_logp, ref_logp, adv, mask, clip_eps, dual_clip, kl_coef):
+    """Eq. 9 per token, token-mean over `mask`:
+
+        ratio = exp(logp - old);  pg = -min(ratio A, clip(ratio, 1 - ε, 1 + ε) A)
+        for A < 0: pg = min(pg, -c A)  (dual clip)
+        k3 = exp(ref - logp) - (ref - logp) - 1   (verl low_var_kl, clamped to [-10, 10])
+        loss = Σ mask (pg + β k3) / Σ mask
+    Returns (loss, pg_loss, kl, clip_frac) (the last three detached, as floats).
+    """
+    n = mask.sum().clamp(min=1.0)
+    ratio = torch.exp(logp - old_logp)
+    l1 = -adv * ratio
+    l2 = -adv * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
+    pg = torch.maximum(l1, l2)
+    if dual_clip and dual_clip > 1.0:
+        pg = torch.where(adv < 0, torch.minimum(pg, -adv * dual_clip), pg)
+    log_r = (ref_logp - logp).clamp(-20.0, 20.0)
+    k3 = (torch.exp(log_r) - log_r - 1.0).clamp(-10.0, 10.0)
+    pg_loss = (pg * mask).sum() / n
+    kl = (k3 * mask).sum() / n
+    loss = pg_loss + kl_coef * kl if kl_coef else pg_loss
+    clip_frac = (((l2 > l1).float()) * mask).sum() / n
+    return loss, pg_loss.item(), kl.item(), clip_frac.item()
 
 
 def update(model, tok, optimizer, samples, args, rng):
@@ -775,16 +775,16 @@ def check_args(args):
     from common.models import UserError
 
     if args.group_size < 2:
-        raise UserError("--group-size must be >= 2 (advantages are normalised within a group)")
-    if args.tasks_per_iteration < 1 or args.num_iterations < 0 or args.eval_k < 1:
-        raise UserError("--tasks-per-iteration and --eval-k must be >= 1, --num-iterations >= 0")
+        raise UserError("--group-size must be >= 2 (advantages compare the trajectories of a task)")
+    if args.tasks_per_iteration < 1 or args.num_iterations < 0 or args.micro_batch_size < 1 or args.eval_k < 1:
+        raise UserError("--tasks-per-iteration, --micro-batch-size and --eval-k must be >= 1, --num-iterations >= 0")
+    if args.history is not None and args.history < 0:
+        raise UserError(f"--history must be >= 0 (or None), got {args.history}")
     omega = args.omega if args.omega is not None else OMEGA_BY_ENV.get(args.env_id, 0.5)
     if not 0.0 < omega < 1.0:
         raise UserError(f"--omega must lie in (0, 1), got {omega}")
     if not 0.0 < args.similarity_threshold <= 1.0:
         raise UserError(f"--similarity-threshold must lie in (0, 1], got {args.similarity_threshold}")
-    if args.history is not None and args.history < 0:
-        raise UserError(f"--history must be >= 0 (or None), got {args.history}")
     return omega
 
 

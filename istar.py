@@ -768,12 +768,15 @@ def make_env(args):
 
 
 def check_args(args):
+    """User errors in the arguments -> UserError."""
     from common.models import UserError
 
     if args.group_size < 2:
-        raise UserError("--group-size must be >= 2 (RLOO/GRPO compare trajectories of the same task)")
+        raise UserError("--group-size must be >= 2 (advantages compare the trajectories of a task)")
     if args.tasks_per_iteration < 1 or args.num_iterations < 0 or args.micro_batch_size < 1:
         raise UserError("--tasks-per-iteration and --micro-batch-size must be >= 1, --num-iterations >= 0")
+    if args.history is not None and args.history < 0:
+        raise UserError(f"--history must be >= 0 (or None), got {args.history}")
     if args.beta <= 0:
         raise UserError("--beta must be > 0 (it scales the implicit reward, paper: 0.05)")
 
