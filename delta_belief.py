@@ -44,6 +44,7 @@ from typing import Literal, Optional
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 import tyro
 from tqdm.auto import tqdm
 
@@ -387,10 +388,6 @@ def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False):
     return [row[: row.index(eos) + 1] if eos in row else row for row in out[:, L:].tolist()]
 
 
-def decode_action(tok, completion) -> str:
-    return tok.decode(completion, skip_special_tokens=True)
-
-
 def belief_message_for(template, env, is_tiny):
     """The elicitation message: a template with {target}, or (template "auto") the official
     "Is it '{target}'?", except for a tiny policy on an env with guesses (`env.guess_text`): then the
@@ -435,7 +432,7 @@ def rollout(model, tok, new_env, task_ids, group_ids, args, temperature, belief_
             for k, i in enumerate(active):
                 for j in range(n):
                     c = copy.deepcopy(envs_[i])
-                    steps.append(c.step(decode_action(tok, comps[k * n + j])))
+                    steps.append(c.step(tok.decode(comps[k * n + j], skip_special_tokens=True)))
                     copies.append(c)
             need = [q for q, st in enumerate(steps) if not st.info["success"]]
             bs = np.full(len(copies), np.inf)
@@ -448,15 +445,14 @@ def rollout(model, tok, new_env, task_ids, group_ids, args, temperature, belief_
                 envs_[i] = copies[k * n + j]
                 chosen.append((comps[k * n + j], steps[k * n + j], bs[k * n + j]))
         else:
-            chosen = []
-            for k, i in enumerate(active):
-                chosen.append((comps[k], envs_[i].step(decode_action(tok, comps[k])), None))
+            chosen = [(comps[k], envs_[i].step(tok.decode(comps[k], skip_special_tokens=True)), None)
+                      for k, i in enumerate(active)]
         for k, i in enumerate(active):
-            comp, st, b = chosen[k]
             ep = episodes[i]
+            comp, st, b = chosen[k]
             ep.prompts.append(prompts[k])
             ep.completions.append(comp)
-            ep.actions.append(decode_action(tok, comp))
+            ep.actions.append(tok.decode(comp, skip_special_tokens=True))
             ep.observations.append(st.observation)
             ep.invalid.append(bool(st.info.get("invalid", False)))
             ep.repeated.append(bool(st.info.get("repeated", False)))
@@ -501,12 +497,8 @@ def completion_logprobs(model, tok, prompt_ids, completion_ids, temperature=1.0)
 
 
 def _padded(samples, key, C, device):
-    """Right-aligned [B, C] tensor of the per-token vectors samples[j][key]."""
-    out = torch.zeros((len(samples), C), device=device)
-    for j, x in enumerate(samples):
-        v = x[key]
-        out[j, C - len(v):] = v.to(device) if torch.is_tensor(v) else torch.as_tensor(v, dtype=torch.float32)
-    return out
+    """Right-aligned [B, C] tensor of the per-token vectors samples[j][key], zeros on the left."""
+    return torch.stack([F.pad(x[key].to(device), (C - len(x[key]), 0)) for x in samples])
 
 
 @torch.no_grad()
@@ -851,7 +843,6 @@ def main(args: Args):
         env_kwargs["history"] = args.history
     new_env, probe = make_env(args.env_id, env_kwargs, args.max_turns, "env")
     eval_max_turns = args.eval_max_turns or args.max_turns
-    new_eval_env, _ = make_env(args.env_id, env_kwargs, eval_max_turns, "env")
     ood = make_ood_env(args, env_kwargs, eval_max_turns, is_tiny)
     belief_message = belief_message_for(args.belief_template, probe, is_tiny)
     if args.max_new_tokens is None:
@@ -861,9 +852,7 @@ def main(args: Args):
     if args.eval_temperature is None:
         args.eval_temperature = args.temperature
     train_tasks = list(probe.task_ids("train"))
-    test_tasks = list(probe.task_ids("test"))
-    if args.eval_num_tasks:
-        test_tasks = test_tasks[: args.eval_num_tasks]
+    test_tasks = list(probe.task_ids("test"))[: args.eval_num_tasks or None]  # 0: all of them
 
     lr = args.learning_rate if args.learning_rate is not None else defaults.learning_rate
     model, tok = load_policy(args.model_name, env_id=args.env_id, tiny_preset=args.tiny_preset,
@@ -879,7 +868,7 @@ def main(args: Args):
     def run_eval(it, final=False):
         t0 = time.time()
         bon = args.eval_best_of_n if (it == 0 or final) else 0
-        row, records = evaluate(model, tok, new_eval_env, test_tasks, args, eval_max_turns, "eval/", belief_message, bon)
+        row, records = evaluate(model, tok, new_env, test_tasks, args, eval_max_turns, "eval/", belief_message, bon)
         if ood is not None:
             r2, rec2 = evaluate(model, tok, ood[0], ood[1], args, eval_max_turns, "eval/ood_", ood[2], bon)
             row.update(r2)

@@ -44,6 +44,7 @@ from typing import Literal, Optional
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 import tyro
 from tqdm.auto import tqdm
 
@@ -504,12 +505,8 @@ def completion_logprobs(model, tok, prompt_ids, completion_ids, temperature=1.0)
 
 
 def _padded(samples, key, C, device):
-    """Right-aligned [B, C] tensor of the per-token vectors samples[j][key]."""
-    out = torch.zeros((len(samples), C), device=device)
-    for j, x in enumerate(samples):
-        v = x[key]
-        out[j, C - len(v):] = v.to(device) if torch.is_tensor(v) else torch.as_tensor(v, dtype=torch.float32)
-    return out
+    """Right-aligned [B, C] tensor of the per-token vectors samples[j][key], zeros on the left."""
+    return torch.stack([F.pad(x[key].to(device), (C - len(x[key]), 0)) for x in samples])
 
 
 @torch.no_grad()

@@ -151,7 +151,7 @@ class Args:
     clip_eps: float = 0.2
     """ε of the clipped importance ratio (paper: 0.2)"""
     dual_clip: float = 3.0
-    """dual-clip constant for negative advantages (verl, as run officially; 0 disables)"""
+    """dual-clip constant c for negative advantages (verl default; 0 disables)"""
     ratio_level: Literal["step", "token"] = "step"
     """'step': one ratio per action, step-mean (paper Eq. 6, GSPO-style); 'token': token-mean (official verl)"""
     adv_eps: float = 1e-6
@@ -420,12 +420,8 @@ def completion_logprobs(model, tok, prompt_ids, completion_ids, temperature=1.0)
 
 
 def _padded(samples, key, C, device):
-    """Right-aligned [B, C] tensor of the per-token vectors samples[j][key]."""
-    out = torch.zeros((len(samples), C), device=device)
-    for j, x in enumerate(samples):
-        v = x[key]
-        out[j, C - len(v):] = v.to(device) if torch.is_tensor(v) else torch.as_tensor(v, dtype=torch.float32)
-    return out
+    """Right-aligned [B, C] tensor of the per-token vectors samples[j][key], zeros on the left."""
+    return torch.stack([F.pad(x[key].to(device), (C - len(x[key]), 0)) for x in samples])
 
 
 @torch.no_grad()
