@@ -146,7 +146,7 @@ class Args:
     repeat_penalty: float = 1.0
     """penalty of a turn that repeats an earlier question"""
     belief_template: str = "auto"
-    """elicitation message with {target}; auto: "Is it '{target}'?" (official), or for the tiny policy the env's canonical guess"""
+    """elicitation message with {target}; auto: "Is it '{target}'?" (official), the env's own guess on a tiny policy"""
     clip_low: float = 0.2
     """ε_low of the clipped ratio"""
     clip_high: float = 0.28
@@ -463,7 +463,8 @@ def rollout(model, tok, new_env, task_ids, group_ids, args, temperature, belief_
                 ep.beliefs.append(float(b) if np.isfinite(b) else float("nan"))
         if with_beliefs and best_of_n <= 1:
             need = [i for i in active if not episodes[i].success]
-            bs = elicit_beliefs(model, tok, [envs_[i].messages() for i in need], [episodes[i].target for i in need], tmpl, mb)
+            bs = elicit_beliefs(model, tok, [envs_[i].messages() for i in need], [episodes[i].target for i in need],
+                               tmpl, mb)
             got = dict(zip(need, bs))
             for i in active:
                 episodes[i].beliefs.append(float(got[i]) if i in got else float("nan"))
@@ -766,39 +767,43 @@ def save_adapter(model, run_dir: Path):
 # ----------------------------------------------------------------------------------------------
 # 6. Main loop
 # ----------------------------------------------------------------------------------------------
-def make_env(env_id, env_kwargs, max_turns, what):
-    """A function that builds the env (user errors -> UserError) and one probe instance."""
+def make_env(env_id, env_kwargs, max_turns, what="env"):
+    """The env factory `new_env` (user errors -> UserError) and one probe instance."""
     import envs
     from common.models import UserError
 
     if env_id not in envs.available():
-        raise UserError(f"{what} {env_id!r} is not available in this checkout (envs/{env_id}.py is missing); "
-                         f"available env ids: {', '.join(envs.available())}")
+        raise UserError(f"{what} {env_id!r} is not available in this checkout; available env ids: "
+                        f"{', '.join(envs.available()) or 'none'}")
     kw = dict(env_kwargs)
 
-    def make():
+    def new_env():
         env = envs.make(env_id, **kw)
         if max_turns:
             env.max_turns = max_turns
         return env
 
     try:
-        probe = make()
+        probe = new_env()
         probe.reset(probe.task_ids("test")[0])
     except ValueError as e:
         raise UserError(f"{what} {env_id!r}: {e}") from None
     if not getattr(probe, "target", None):
-        raise UserError(f"{what} {env_id!r} has no hidden target (env.target); ΔBelief needs one, e.g. twenty_questions")
-    return make, probe
+        raise UserError(f"{what} {env_id!r} has no hidden target (env.target); ΔBelief needs one "
+                        "(twenty_questions, guess_my_city)")
+    return new_env, probe
 
 
 def check_args(args):
+    """User errors in the arguments -> UserError."""
     from common.models import UserError
 
     if args.group_size < 2:
-        raise UserError("--group-size must be >= 2 (GRPO normalises within a group)")
-    if args.eval_k < 1 or args.tasks_per_iteration < 1 or args.num_iterations < 0:
-        raise UserError("--eval-k and --tasks-per-iteration must be >= 1, --num-iterations >= 0")
+        raise UserError("--group-size must be >= 2 (advantages compare the trajectories of a task)")
+    if args.tasks_per_iteration < 1 or args.num_iterations < 0 or args.micro_batch_size < 1 or args.eval_k < 1:
+        raise UserError("--tasks-per-iteration, --micro-batch-size and --eval-k must be >= 1, --num-iterations >= 0")
+    if args.history is not None and args.history < 0:
+        raise UserError(f"--history must be >= 0 (or None), got {args.history}")
     if args.belief_template != "auto" and "{target}" not in args.belief_template:
         raise UserError("--belief-template must contain '{target}', e.g. \"Is it '{target}'?\"")
 
@@ -841,7 +846,7 @@ def main(args: Args):
     env_kwargs, is_tiny = dict(defaults.env_kwargs), defaults.is_tiny
     if args.history is not None:
         env_kwargs["history"] = args.history
-    new_env, probe = make_env(args.env_id, env_kwargs, args.max_turns, "env")
+    new_env, probe = make_env(args.env_id, env_kwargs, args.max_turns)
     eval_max_turns = args.eval_max_turns or args.max_turns
     ood = make_ood_env(args, env_kwargs, eval_max_turns, is_tiny)
     belief_message = belief_message_for(args.belief_template, probe, is_tiny)
