@@ -30,18 +30,21 @@ Example
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
 import random
 import sys
 import time
+from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal, Optional
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 import tyro
 from tqdm.auto import tqdm
 
@@ -143,7 +146,7 @@ class Args:
     repeat_penalty: float = 1.0
     """penalty of a turn that repeats an earlier question"""
     belief_template: str = "auto"
-    """elicitation message with {target}; auto: "Is it '{target}'?" (official), or for the tiny policy the env's canonical guess"""
+    """elicitation message with {target}; auto: "Is it '{target}'?" (official), the env's own guess on a tiny policy"""
     clip_low: float = 0.2
     """ε_low of the clipped ratio"""
     clip_high: float = 0.28
@@ -230,26 +233,28 @@ def trajectory_advantages(returns, eps=1e-6):
     return (R - R.mean()) / (R.std(ddof=1) + eps)
 
 
-def compute_advantages(episodes, num_groups, args):
+def compute_advantages(episodes, args):
     """Episodes in (group_id = the secret's index), training samples out: the turn rewards of every game
     (ΔBelief: `turn_rewards`; StarPO: `starpo_turn_rewards`) and their advantages within each group
-    (`turnwise_advantages`; StarPO: `trajectory_advantages` of the summed rewards on every turn).
-    Returns (samples, all turn rewards, all finite belief deltas) for logging."""
+    (`turnwise_advantages`; StarPO: `trajectory_advantages` of the summed rewards on every turn), and the
+    credit statistics that are logged."""
+    groups = defaultdict(list)
+    for ep in episodes:
+        groups[ep.group_id].append(ep)
     samples, all_r, deltas = [], [], []
-    for g in range(num_groups):
-        grp = [ep for ep in episodes if ep.group_id == g]
+    for g, grp in groups.items():
         lengths = np.array([ep.length for ep in grp])
         T_max = int(lengths.max())
         R = np.zeros((len(grp), T_max))
         for i, ep in enumerate(grp):
             if args.reward_mode == "delta":
-                R[i, : ep.length] = turn_rewards(ep.beliefs, ep.won, ep.invalid, ep.repeated, args.lam,
+                R[i, : ep.length] = turn_rewards(ep.beliefs, ep.success, ep.invalid, ep.repeated, args.lam,
                                                  args.win_reward, args.turn_penalty, args.invalid_penalty,
                                                  args.repeat_penalty)
                 d = np.diff(np.asarray(ep.beliefs, dtype=np.float64))
-                deltas += [float(x) for x in (d[:-1] if ep.won else d) if np.isfinite(x)]
+                deltas += [float(x) for x in (d[:-1] if ep.success else d) if np.isfinite(x)]
             else:
-                R[i, : ep.length] = starpo_turn_rewards(ep.won, ep.invalid, ep.repeated, args.win_reward,
+                R[i, : ep.length] = starpo_turn_rewards(ep.success, ep.invalid, ep.repeated, args.win_reward,
                                                         args.turn_penalty, args.invalid_penalty, args.repeat_penalty)
             all_r += list(R[i, : ep.length])
         if args.reward_mode == "delta":
@@ -259,8 +264,19 @@ def compute_advantages(episodes, num_groups, args):
         for i, ep in enumerate(grp):
             for t in range(ep.length):
                 samples.append({"prompt": ep.prompts[t], "completion": ep.completions[t], "adv": float(A[i, t]),
-                                "traj": ep.traj_id, "turn": t, "group": g})
-    return samples, all_r, deltas
+                                "traj": ep.traj_id, "group": g, "turn": t})
+    a = np.array([s["adv"] for s in samples])
+    stats = {
+        "charts/turn_reward_mean": float(np.mean(all_r)) if all_r else 0.0,
+        "credit/adv_abs_mean": float(np.abs(a).mean()) if len(a) else 0.0,
+        "credit/adv_nonzero_frac": float((np.abs(a) > 1e-8).mean()) if len(a) else 0.0,
+    }
+    if args.reward_mode == "delta":
+        stats["credit/delta_belief_mean"] = float(np.mean(deltas)) if deltas else 0.0
+        stats["credit/delta_belief_pos_frac"] = float(np.mean([d > 0 for d in deltas])) if deltas else 0.0
+        stats["credit/belief_b0_mean"] = float(np.mean([ep.beliefs[0] for ep in episodes]))
+        stats["credit/belief_gain_reward_mean"] = float(args.lam * np.mean(np.maximum(deltas, 0))) if deltas else 0.0
+    return samples, stats
 
 
 # ----------------------------------------------------------------------------------------------
@@ -281,7 +297,7 @@ class Episode:
     invalid: list = field(default_factory=list)
     repeated: list = field(default_factory=list)
     beliefs: list = field(default_factory=list)  # b_0..b_T (b_T = nan after a winning turn)
-    won: bool = False
+    success: bool = False
     env_return: float = 0.0
 
     @property
@@ -372,10 +388,6 @@ def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False):
     return [row[: row.index(eos) + 1] if eos in row else row for row in out[:, L:].tolist()]
 
 
-def decode_action(tok, completion) -> str:
-    return tok.decode(completion, skip_special_tokens=True)
-
-
 def belief_message_for(template, env, is_tiny):
     """The elicitation message: a template with {target}, or (template "auto") the official
     "Is it '{target}'?", except for a tiny policy on an env with guesses (`env.guess_text`): then the
@@ -420,7 +432,7 @@ def rollout(model, tok, new_env, task_ids, group_ids, args, temperature, belief_
             for k, i in enumerate(active):
                 for j in range(n):
                     c = copy.deepcopy(envs_[i])
-                    steps.append(c.step(decode_action(tok, comps[k * n + j])))
+                    steps.append(c.step(tok.decode(comps[k * n + j], skip_special_tokens=True)))
                     copies.append(c)
             need = [q for q, st in enumerate(steps) if not st.info["success"]]
             bs = np.full(len(copies), np.inf)
@@ -433,26 +445,26 @@ def rollout(model, tok, new_env, task_ids, group_ids, args, temperature, belief_
                 envs_[i] = copies[k * n + j]
                 chosen.append((comps[k * n + j], steps[k * n + j], bs[k * n + j]))
         else:
-            chosen = []
-            for k, i in enumerate(active):
-                chosen.append((comps[k], envs_[i].step(decode_action(tok, comps[k])), None))
+            chosen = [(comps[k], envs_[i].step(tok.decode(comps[k], skip_special_tokens=True)), None)
+                      for k, i in enumerate(active)]
         for k, i in enumerate(active):
-            comp, st, b = chosen[k]
             ep = episodes[i]
+            comp, st, b = chosen[k]
             ep.prompts.append(prompts[k])
             ep.completions.append(comp)
-            ep.actions.append(decode_action(tok, comp))
+            ep.actions.append(tok.decode(comp, skip_special_tokens=True))
             ep.observations.append(st.observation)
             ep.invalid.append(bool(st.info.get("invalid", False)))
             ep.repeated.append(bool(st.info.get("repeated", False)))
             ep.env_return += float(st.reward)
             if st.done:
-                ep.won = bool(st.info.get("success", False))
+                ep.success = bool(st.info.get("success", False))
             if b is not None:
                 ep.beliefs.append(float(b) if np.isfinite(b) else float("nan"))
         if with_beliefs and best_of_n <= 1:
-            need = [i for i in active if not episodes[i].won]
-            bs = elicit_beliefs(model, tok, [envs_[i].messages() for i in need], [episodes[i].target for i in need], tmpl, mb)
+            need = [i for i in active if not episodes[i].success]
+            bs = elicit_beliefs(model, tok, [envs_[i].messages() for i in need], [episodes[i].target for i in need],
+                               tmpl, mb)
             got = dict(zip(need, bs))
             for i in active:
                 episodes[i].beliefs.append(float(got[i]) if i in got else float("nan"))
@@ -483,6 +495,27 @@ def completion_logprobs(model, tok, prompt_ids, completion_ids, temperature=1.0)
     targets = input_ids[:, L - C:]
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
     return logp * cmask, cmask
+
+
+def _padded(samples, key, C, device):
+    """Right-aligned [B, C] tensor of the per-token vectors samples[j][key], zeros on the left."""
+    return torch.stack([F.pad(x[key].to(device), (C - len(x[key]), 0)) for x in samples])
+
+
+@torch.no_grad()
+def token_logprobs(model, tok, samples, adapter, micro_batch_size, temperature=1.0):
+    """Per-sample token log-prob vectors under the policy (adapter "default") or, with adapter None, under
+    the reference policy (the adapter disabled: the base model), at the sampling temperature, eval mode, no
+    gradient."""
+    model.eval()
+    out = []
+    for s in range(0, len(samples), micro_batch_size):
+        chunk = samples[s:s + micro_batch_size]
+        with model.disable_adapter() if adapter is None else contextlib.nullcontext():
+            lp, _ = completion_logprobs(model, tok, [x["prompt"] for x in chunk], [x["completion"] for x in chunk],
+                                        temperature=temperature)
+        out += [lp[j, lp.shape[1] - len(x["completion"]):].float().cpu() for j, x in enumerate(chunk)]
+    return out
 
 
 def policy_loss(logp, old_logp, adv, weights, clip_low, clip_high, dual_clip):
@@ -517,58 +550,46 @@ def minibatches(trajs, n, rng, whole_games):
 
 
 def update(model, tok, optimizer, samples, args, rng):
-    """One pass over the turns in `num_minibatches` optimizer steps. samples: dicts with prompt,
-    completion, adv, traj (global game id). Returns loss statistics."""
+    """One pass over the turns in `num_minibatches` optimizer steps of the policy. samples: dicts with
+    prompt, completion, adv and traj (global game id); π_θold's token log-probs are taken here."""
     device = next(model.parameters()).device
-    agg = args.loss_agg if args.loss_agg != "auto" else ("token-mean" if args.reward_mode == "delta" else "seq-mean-token-mean")
-    # old log-probs (π_θold = the policy that sampled), eval mode, no grad
-    model.eval()
-    with torch.no_grad():
-        for s in range(0, len(samples), args.micro_batch_size):
-            chunk = samples[s:s + args.micro_batch_size]
-            lp, m = completion_logprobs(model, tok, [x["prompt"] for x in chunk], [x["completion"] for x in chunk],
-                                        temperature=args.temperature)
-            for j, x in enumerate(chunk):
-                x["old"] = lp[j, lp.shape[1] - len(x["completion"]):].detach()
+    agg = args.loss_agg if args.loss_agg != "auto" else (
+        "token-mean" if args.reward_mode == "delta" else "seq-mean-token-mean")
+    for x, o in zip(samples, token_logprobs(model, tok, samples, "default", args.micro_batch_size, args.temperature)):
+        x["old"] = o
     model.train()
-    stats = {"loss": [], "kl": [], "clipfrac": [], "grad_norm": []}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    stats = {k: [] for k in ("policy_loss", "approx_kl", "clip_frac", "grad_norm")}
     for mb_idx in minibatches([x["traj"] for x in samples], args.num_minibatches, rng,
                               whole_games=agg == "seq-mean-token-mean"):
         mb = [samples[i] for i in mb_idx]
         if not mb:
             continue
         ntok = sum(len(x["completion"]) for x in mb)
-        traj_tok = {}
+        traj_tok = Counter()  # tokens per game in this minibatch (seq-mean-token-mean)
         for x in mb:
-            traj_tok[x["traj"]] = traj_tok.get(x["traj"], 0) + len(x["completion"])
+            traj_tok[x["traj"]] += len(x["completion"])
         optimizer.zero_grad(set_to_none=True)
-        tot_loss, kl_sum, clip_sum = 0.0, 0.0, 0.0
+        acc = dict.fromkeys(stats, 0.0)
         for s in range(0, len(mb), args.micro_batch_size):
             chunk = mb[s:s + args.micro_batch_size]
             lp, m = completion_logprobs(model, tok, [x["prompt"] for x in chunk], [x["completion"] for x in chunk],
                                         temperature=args.temperature)
-            C = lp.shape[1]
-            old = torch.zeros_like(lp)
-            adv = torch.zeros_like(lp)
-            w = torch.zeros_like(lp)
-            for j, x in enumerate(chunk):
-                c = len(x["completion"])
-                old[j, C - c:] = x["old"]
-                adv[j, C - c:] = float(x["adv"])
-                w[j, C - c:] = 1.0 / ntok if agg == "token-mean" else 1.0 / (len(traj_tok) * traj_tok[x["traj"]])
-            loss, clipped, ratio = policy_loss(lp, old, adv, w * m, args.clip_low, args.clip_high, args.dual_clip)
+            old = _padded(chunk, "old", lp.shape[1], device)
+            adv = m * torch.tensor([float(x["adv"]) for x in chunk], device=device)[:, None]
+            w = m * torch.tensor([1.0 / ntok if agg == "token-mean" else 1.0 / (len(traj_tok) * traj_tok[x["traj"]])
+                                  for x in chunk], device=device)[:, None]
+            loss, clipped, _ = policy_loss(lp, old, adv, w, args.clip_low, args.clip_high, args.dual_clip)
             loss.backward()
-            tot_loss += float(loss.detach())
+            acc["policy_loss"] += float(loss.detach())
             with torch.no_grad():
-                logr = (lp - old) * m
-                kl_sum += float((((torch.exp(logr) - 1) - logr) * m).sum())
-                clip_sum += float((clipped * m).sum())
-        gn = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], args.max_grad_norm)
+                log_r = (lp - old) * m
+                acc["approx_kl"] += float(((torch.exp(log_r) - 1 - log_r) * m).sum())
+                acc["clip_frac"] += float((clipped * m).sum())
+        acc["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm))
         optimizer.step()
-        stats["loss"].append(tot_loss)
-        stats["kl"].append(kl_sum / max(ntok, 1))
-        stats["clipfrac"].append(clip_sum / max(ntok, 1))
-        stats["grad_norm"].append(float(gn))
+        for k, v in acc.items():  # the token sums become token means
+            stats[k].append(v / max(ntok, 1) if k in ("approx_kl", "clip_frac") else v)
     model.eval()
     return {k: float(np.mean(v)) if v else 0.0 for k, v in stats.items()}
 
@@ -592,8 +613,8 @@ def episode_stats(episodes, k):
     n_q = sum(ep.length for ep in episodes)
     by_task = {}
     for ep in episodes:
-        by_task.setdefault(ep.group_id, []).append(ep.won)
-    success, success_se = mean_se([ep.won for ep in episodes])
+        by_task.setdefault(ep.group_id, []).append(ep.success)
+    success, success_se = mean_se([ep.success for ep in episodes])
     return {
         "success": success,
         "success_se": success_se,
@@ -607,7 +628,7 @@ def episode_stats(episodes, k):
 
 
 def episode_record(ep, tag):
-    return {"tag": tag, "target": ep.target, "won": ep.won, "turns": [
+    return {"tag": tag, "target": ep.target, "won": ep.success, "turns": [
         {"question": a, "answer": o, "belief_after": (ep.beliefs[t + 1] if len(ep.beliefs) > t + 1 else None)}
         for t, (a, o) in enumerate(zip(ep.actions, ep.observations))], "b0": ep.beliefs[0] if ep.beliefs else None}
 
@@ -625,11 +646,11 @@ def evaluate(model, tok, new_env, tasks, args, max_turns, prefix, belief_message
     records += [episode_record(ep, f"{prefix}sampled") for ep in episodes[: args.num_logged_episodes]]
     greedy = rollout(model, tok, new_env, tasks, list(range(len(tasks))), args, 1.0, belief_message, greedy=True,
                      max_turns=max_turns, with_beliefs=False)
-    out[f"{prefix}success_greedy"], out[f"{prefix}success_greedy_se"] = mean_se([ep.won for ep in greedy])
+    out[f"{prefix}success_greedy"], out[f"{prefix}success_greedy_se"] = mean_se([ep.success for ep in greedy])
     if best_of_n > 0:
         bon = rollout(model, tok, new_env, tasks, list(range(len(tasks))), args, args.eval_temperature,
                       belief_message, best_of_n=best_of_n, max_turns=max_turns)
-        out[f"{prefix}bon{best_of_n}_success"] = float(np.mean([ep.won for ep in bon]))
+        out[f"{prefix}bon{best_of_n}_success"] = float(np.mean([ep.success for ep in bon]))
         out[f"{prefix}bon{best_of_n}_num_questions"] = float(np.mean([ep.length for ep in bon]))
         records += [episode_record(ep, f"{prefix}best_of_{best_of_n}") for ep in bon[:2]]
     return out, records
@@ -662,36 +683,21 @@ def write_summary(run_dir, args, wall_seconds, first_eval, last_eval, eval_metri
     return summary
 
 
-def iteration_row(episodes, samples, all_r, deltas, ustats, t_roll, t_credit, t_upd, args):
-    """The metrics of one iteration: training games, losses, credit (belief statistics with
-    `--reward-mode delta`) and seconds per phase."""
-    advs = np.array([s["adv"] for s in samples])
-    n_tok = sum(len(s["completion"]) for s in samples)
-    n_q = sum(ep.length for ep in episodes)
+def iteration_row(episodes, samples, ustats, cstats, seconds):
+    """The metrics of one iteration: training rollouts, losses, credit statistics and seconds per phase."""
+    n_turns = sum(ep.length for ep in episodes)
     row = {
-        "charts/success": float(np.mean([ep.won for ep in episodes])),
+        "charts/success": float(np.mean([ep.success for ep in episodes])),
         "charts/return": float(np.mean([ep.env_return for ep in episodes])),
         "charts/episode_length": float(np.mean([ep.length for ep in episodes])),
-        "charts/invalid_rate": float(sum(sum(ep.invalid) for ep in episodes) / max(n_q, 1)),
-        "charts/repeated_rate": float(sum(sum(ep.repeated) for ep in episodes) / max(n_q, 1)),
-        "charts/turn_reward_mean": float(np.mean(all_r)) if all_r else 0.0,
-        "losses/policy_loss": ustats["loss"],
-        "losses/approx_kl": ustats["kl"],
-        "losses/clip_frac": ustats["clipfrac"],
-        "losses/grad_norm": ustats["grad_norm"],
-        "credit/adv_abs_mean": float(np.abs(advs).mean()) if len(advs) else 0.0,
-        "credit/adv_nonzero_frac": float((np.abs(advs) > 1e-8).mean()) if len(advs) else 0.0,
-        "perf/rollout_seconds": t_roll,
-        "perf/credit_seconds": t_credit,
-        "perf/update_seconds": t_upd,
-        "perf/tokens_per_second": n_tok / max(t_roll, 1e-9),
+        "charts/invalid_rate": float(sum(sum(ep.invalid) for ep in episodes) / max(n_turns, 1)),
+        "charts/repeated_rate": float(sum(sum(ep.repeated) for ep in episodes) / max(n_turns, 1)),
+        **{f"losses/{k}": v for k, v in ustats.items()},
+        **cstats,
+        **{f"perf/{k}_seconds": v for k, v in seconds.items()},
+        "perf/tokens_per_second": sum(len(x["completion"]) for x in samples) / max(seconds["rollout"], 1e-9),
         "perf/samples": len(samples),
     }
-    if args.reward_mode == "delta":
-        row["credit/delta_belief_mean"] = float(np.mean(deltas)) if deltas else 0.0
-        row["credit/delta_belief_pos_frac"] = float(np.mean([d > 0 for d in deltas])) if deltas else 0.0
-        row["credit/belief_b0_mean"] = float(np.mean([ep.beliefs[0] for ep in episodes]))
-        row["credit/belief_gain_reward_mean"] = float(args.lam * np.mean(np.maximum(deltas, 0))) if deltas else 0.0
     if torch.cuda.is_available():
         row["perf/peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
     return row
@@ -761,39 +767,43 @@ def save_adapter(model, run_dir: Path):
 # ----------------------------------------------------------------------------------------------
 # 6. Main loop
 # ----------------------------------------------------------------------------------------------
-def make_env(env_id, env_kwargs, max_turns, what):
-    """A function that builds the env (user errors -> UserError) and one probe instance."""
+def make_env(env_id, env_kwargs, max_turns, what="env"):
+    """The env factory `new_env` (user errors -> UserError) and one probe instance."""
     import envs
     from common.models import UserError
 
     if env_id not in envs.available():
-        raise UserError(f"{what} {env_id!r} is not available in this checkout (envs/{env_id}.py is missing); "
-                         f"available env ids: {', '.join(envs.available())}")
+        raise UserError(f"{what} {env_id!r} is not available in this checkout; available env ids: "
+                        f"{', '.join(envs.available()) or 'none'}")
     kw = dict(env_kwargs)
 
-    def make():
+    def new_env():
         env = envs.make(env_id, **kw)
         if max_turns:
             env.max_turns = max_turns
         return env
 
     try:
-        probe = make()
+        probe = new_env()
         probe.reset(probe.task_ids("test")[0])
     except ValueError as e:
         raise UserError(f"{what} {env_id!r}: {e}") from None
     if not getattr(probe, "target", None):
-        raise UserError(f"{what} {env_id!r} has no hidden target (env.target); ΔBelief needs one, e.g. twenty_questions")
-    return make, probe
+        raise UserError(f"{what} {env_id!r} has no hidden target (env.target); ΔBelief needs one "
+                        "(twenty_questions, guess_my_city)")
+    return new_env, probe
 
 
 def check_args(args):
+    """User errors in the arguments -> UserError."""
     from common.models import UserError
 
     if args.group_size < 2:
-        raise UserError("--group-size must be >= 2 (GRPO normalises within a group)")
-    if args.eval_k < 1 or args.tasks_per_iteration < 1 or args.num_iterations < 0:
-        raise UserError("--eval-k and --tasks-per-iteration must be >= 1, --num-iterations >= 0")
+        raise UserError("--group-size must be >= 2 (advantages compare the trajectories of a task)")
+    if args.tasks_per_iteration < 1 or args.num_iterations < 0 or args.micro_batch_size < 1 or args.eval_k < 1:
+        raise UserError("--tasks-per-iteration, --micro-batch-size and --eval-k must be >= 1, --num-iterations >= 0")
+    if args.history is not None and args.history < 0:
+        raise UserError(f"--history must be >= 0 (or None), got {args.history}")
     if args.belief_template != "auto" and "{target}" not in args.belief_template:
         raise UserError("--belief-template must contain '{target}', e.g. \"Is it '{target}'?\"")
 
@@ -836,9 +846,8 @@ def main(args: Args):
     env_kwargs, is_tiny = dict(defaults.env_kwargs), defaults.is_tiny
     if args.history is not None:
         env_kwargs["history"] = args.history
-    new_env, probe = make_env(args.env_id, env_kwargs, args.max_turns, "env")
+    new_env, probe = make_env(args.env_id, env_kwargs, args.max_turns)
     eval_max_turns = args.eval_max_turns or args.max_turns
-    new_eval_env, _ = make_env(args.env_id, env_kwargs, eval_max_turns, "env")
     ood = make_ood_env(args, env_kwargs, eval_max_turns, is_tiny)
     belief_message = belief_message_for(args.belief_template, probe, is_tiny)
     if args.max_new_tokens is None:
@@ -848,9 +857,7 @@ def main(args: Args):
     if args.eval_temperature is None:
         args.eval_temperature = args.temperature
     train_tasks = list(probe.task_ids("train"))
-    test_tasks = list(probe.task_ids("test"))
-    if args.eval_num_tasks:
-        test_tasks = test_tasks[: args.eval_num_tasks]
+    test_tasks = list(probe.task_ids("test"))[: args.eval_num_tasks or None]  # 0: all of them
 
     lr = args.learning_rate if args.learning_rate is not None else defaults.learning_rate
     model, tok = load_policy(args.model_name, env_id=args.env_id, tiny_preset=args.tiny_preset,
@@ -866,7 +873,7 @@ def main(args: Args):
     def run_eval(it, final=False):
         t0 = time.time()
         bon = args.eval_best_of_n if (it == 0 or final) else 0
-        row, records = evaluate(model, tok, new_eval_env, test_tasks, args, eval_max_turns, "eval/", belief_message, bon)
+        row, records = evaluate(model, tok, new_env, test_tasks, args, eval_max_turns, "eval/", belief_message, bon)
         if ood is not None:
             r2, rec2 = evaluate(model, tok, ood[0], ood[1], args, eval_max_turns, "eval/ood_", ood[2], bon)
             row.update(r2)
@@ -884,24 +891,24 @@ def main(args: Args):
     bar = tqdm(range(1, args.num_iterations + 1), desc="delta_belief", dynamic_ncols=True)
     for it in bar:
         t0 = time.time()
-        targets = [train_tasks[i] for i in rng.choice(len(train_tasks), size=args.tasks_per_iteration,
-                                                      replace=len(train_tasks) < args.tasks_per_iteration)]
-        tasks = [t for t in targets for _ in range(G)]
-        groups = [g for g in range(len(targets)) for _ in range(G)]
+        chosen = rng.choice(len(train_tasks), size=args.tasks_per_iteration,
+                            replace=len(train_tasks) < args.tasks_per_iteration)
+        tasks = [train_tasks[i] for i in chosen for _ in range(G)]
+        groups = [g for g in range(len(chosen)) for _ in range(G)]
         episodes = rollout(model, tok, new_env, tasks, groups, args, args.temperature, belief_message,
-                      with_beliefs=args.reward_mode == "delta")
-        t_roll = time.time() - t0
+                           with_beliefs=args.reward_mode == "delta")
+        seconds = {"rollout": time.time() - t0}
 
-        # credit assignment, one group (= one secret) at a time
         t1 = time.time()
-        samples, all_r, deltas = compute_advantages(episodes, len(targets), args)
-        t_credit = time.time() - t1
+        samples, cstats = compute_advantages(episodes, args)
+        seconds["credit"] = time.time() - t1
 
         t2 = time.time()
         ustats = update(model, tok, optimizer, samples, args, rng)
-        t_upd = time.time() - t2
+        seconds["update"] = time.time() - t2
+        seconds["iteration"] = time.time() - t0
 
-        row = iteration_row(episodes, samples, all_r, deltas, ustats, t_roll, t_credit, t_upd, args)
+        row = iteration_row(episodes, samples, ustats, cstats, seconds)
         if args.eval_every and (it % args.eval_every == 0 or it == args.num_iterations):
             last_eval = run_eval(it, final=it == args.num_iterations)
             row.update(last_eval)
@@ -909,7 +916,7 @@ def main(args: Args):
         if args.save_model and args.checkpoint_every and it % args.checkpoint_every == 0:
             save_adapter(model, run_dir)
         bar.set_postfix(success=f"{row['charts/success']:.2f}", reward=f"{row['charts/turn_reward_mean']:.2f}",
-                        loss=f"{ustats['loss']:.3f}")
+                        loss=f"{row['losses/policy_loss']:.3f}")
     if args.num_iterations and not args.eval_every:
         last_eval = run_eval(args.num_iterations, final=True)
         logger.log(args.num_iterations, last_eval)

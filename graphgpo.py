@@ -86,7 +86,7 @@ class Args:
     activation_checkpointing: bool = False
     """activation checkpointing in the training forward (saves GPU memory on real models)"""
     max_new_tokens: Optional[int] = None
-    """most tokens generated per turn; None: the tiny recipe's (Sokoban 4) for the tiny policy, 512 otherwise (paper: 512)"""
+    """most tokens generated per turn; None: the tiny recipe's (Sokoban 4) on the tiny policy, else 512 (paper: 512)"""
     temperature: float = 1.0
     """sampling temperature of the rollouts (paper: 1.0)"""
     eval_temperature: float = 0.4
@@ -109,12 +109,6 @@ class Args:
     """decoded evaluation episodes written to samples.jsonl per evaluation"""
 
     # algorithm
-    step_advantage: Literal["graph", "gigpo", "none"] = "graph"
-    """step-level term: 'graph' (GraphGPO), 'gigpo' (GiGPO discounted return), 'none' (multi-turn GRPO)"""
-    state_match: Literal["exact", "fuzzy"] = "exact"
-    """graph nodes: exact state keys, or 'fuzzy' (difflib similarity >= similarity_threshold, App. D.3)"""
-    similarity_threshold: float = 0.95
-    """text similarity at which --state-match fuzzy merges two graph nodes"""
     num_iterations: int = 40
     """training iterations (rollout + update; paper: 150 epochs; sized for the CPU default run)"""
     tasks_per_iteration: int = 4
@@ -131,6 +125,12 @@ class Args:
     """optimizer steps per iteration (the turns are split into this many minibatches)"""
     micro_batch_size: int = 64
     """turns per forward pass (gradient accumulation inside a minibatch)"""
+    step_advantage: Literal["graph", "gigpo", "none"] = "graph"
+    """step-level term: 'graph' (GraphGPO), 'gigpo' (GiGPO discounted return), 'none' (multi-turn GRPO)"""
+    state_match: Literal["exact", "fuzzy"] = "exact"
+    """graph nodes: exact state keys, or 'fuzzy' (difflib similarity >= similarity_threshold, App. D.3)"""
+    similarity_threshold: float = 0.95
+    """text similarity at which --state-match fuzzy merges two graph nodes"""
     omega: Optional[float] = None
     """distance discount ω; None: the paper's per env (sokoban 0.8, alfworld 0.1, webshop 0.2, else 0.5)"""
     r_succ: float = 10.0
@@ -406,10 +406,10 @@ class Episode:
     completions: list = field(default_factory=list)  # per turn: generated ids (EOS included if emitted)
     actions: list = field(default_factory=list)  # per turn: decoded text
     observations: list = field(default_factory=list)
-    states: list = field(default_factory=list)  # s_1 .. s_{T+1} (env.state_key())
     invalid: list = field(default_factory=list)
-    env_rewards: list = field(default_factory=list)
+    states: list = field(default_factory=list)  # s_1 .. s_{T+1} (env.state_key())
     success: bool = False
+    env_return: float = 0.0
 
     @property
     def length(self) -> int:
@@ -447,17 +447,14 @@ def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False):
 
 
 def rollout(model, tok, new_env, task_ids, group_ids, temperature, max_new_tokens, greedy=False):
-    """Play one episode per task id, all envs stepped together: one batched generate per turn.
-
-    Records s_1 = state_key() after reset and s_{t+1} after every step, the invalid flags and the
-    success flag of the final step.
-    """
+    """Play one episode per task id, all envs stepped together: one batched generate per turn. Records every
+    turn's prompt and completion token ids, s_1 = state_key() after reset and s_{t+1} after every step."""
     envs_, episodes = [], []
     for i, (task, g) in enumerate(zip(task_ids, group_ids)):
         env = new_env()
         env.reset(task)
         envs_.append(env)
-        episodes.append(Episode(traj_id=i, group_id=g, task_id=str(task), states=[env.state_key()]))
+        episodes.append(Episode(traj_id=i, group_id=int(g), task_id=str(task), states=[env.state_key()]))
     model.eval()
     while True:
         active = [i for i, e in enumerate(envs_) if not e.done]
@@ -466,16 +463,16 @@ def rollout(model, tok, new_env, task_ids, group_ids, temperature, max_new_token
         prompts = [encode(tok, render_prompt(tok, envs_[i].messages())) for i in active]
         comps = generate(model, tok, prompts, temperature, max_new_tokens, greedy=greedy)
         for k, i in enumerate(active):
+            ep = episodes[i]
             text = tok.decode(comps[k], skip_special_tokens=True)
             st = envs_[i].step(text)
-            ep = episodes[i]
             ep.prompts.append(prompts[k])
             ep.completions.append(comps[k])
             ep.actions.append(text)
             ep.observations.append(st.observation)
-            ep.states.append(envs_[i].state_key())
             ep.invalid.append(bool(st.info.get("invalid", False)))
-            ep.env_rewards.append(float(st.reward))
+            ep.states.append(envs_[i].state_key())
+            ep.env_return += float(st.reward)
             if st.done:
                 ep.success = bool(st.info.get("success", False))
     return episodes
@@ -507,6 +504,27 @@ def completion_logprobs(model, tok, prompt_ids, completion_ids, temperature=1.0)
     return logp * cmask, cmask
 
 
+def _padded(samples, key, C, device):
+    """Right-aligned [B, C] tensor of the per-token vectors samples[j][key], zeros on the left."""
+    return torch.stack([F.pad(x[key].to(device), (C - len(x[key]), 0)) for x in samples])
+
+
+@torch.no_grad()
+def token_logprobs(model, tok, samples, adapter, micro_batch_size, temperature=1.0):
+    """Per-sample token log-prob vectors under the policy (adapter "default") or, with adapter None, under
+    the reference policy (the adapter disabled: the base model), at the sampling temperature, eval mode, no
+    gradient."""
+    model.eval()
+    out = []
+    for s in range(0, len(samples), micro_batch_size):
+        chunk = samples[s:s + micro_batch_size]
+        with model.disable_adapter() if adapter is None else contextlib.nullcontext():
+            lp, _ = completion_logprobs(model, tok, [x["prompt"] for x in chunk], [x["completion"] for x in chunk],
+                                        temperature=temperature)
+        out += [lp[j, lp.shape[1] - len(x["completion"]):].float().cpu() for j, x in enumerate(chunk)]
+    return out
+
+
 def policy_loss(logp, old_logp, ref_logp, adv, mask, clip_eps, dual_clip, kl_coef):
     """Eq. 9 per token, token-mean over `mask`:
 
@@ -532,45 +550,33 @@ def policy_loss(logp, old_logp, ref_logp, adv, mask, clip_eps, dual_clip, kl_coe
     return loss, pg_loss.item(), kl.item(), clip_frac.item()
 
 
-@torch.no_grad()
-def score_samples(model, tok, samples, key, micro_batch_size, temperature=1.0, reference=False):
-    """Store per-token log-probs of each sample's completion in sample[key] (eval mode, no grad), under
-    the sampling temperature. With `reference`, the LoRA adapter is disabled (the reference policy is
-    the base model)."""
-    model.eval()
-    for s in range(0, len(samples), micro_batch_size):
-        chunk = samples[s:s + micro_batch_size]
-        args = ([x["prompt"] for x in chunk], [x["completion"] for x in chunk])
-        with model.disable_adapter() if reference else contextlib.nullcontext():
-            lp, _ = completion_logprobs(model, tok, *args, temperature=temperature)
-        for j, x in enumerate(chunk):
-            x[key] = lp[j, lp.shape[1] - len(x["completion"]):].detach()
-
-
 def update(model, tok, optimizer, samples, args, rng):
-    """One pass over the turns in `num_minibatches` optimizer steps (token-mean within each)."""
-    score_samples(model, tok, samples, "old", args.micro_batch_size, args.temperature)
+    """One pass over the turns in `num_minibatches` optimizer steps of the policy, token-mean within each.
+    samples: dicts with prompt, completion and adv (one per turn); π_θold's and the reference policy's
+    token log-probs are taken here."""
+    device = next(model.parameters()).device
+    for x, o in zip(samples, token_logprobs(model, tok, samples, "default", args.micro_batch_size, args.temperature)):
+        x["old"] = o
     if args.kl_coef:
-        score_samples(model, tok, samples, "ref", args.micro_batch_size, args.temperature, reference=True)
+        for x, r in zip(samples, token_logprobs(model, tok, samples, None, args.micro_batch_size, args.temperature)):
+            x["ref"] = r
     model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    order = rng.permutation(len(samples))
-    stats = defaultdict(list)
-    for mb_idx in np.array_split(order, max(1, args.num_minibatches)):
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    stats = {k: [] for k in ("policy_loss", "loss", "kl_ref", "approx_kl", "clip_frac", "grad_norm")}
+    for mb_idx in np.array_split(rng.permutation(len(samples)), max(1, args.num_minibatches)):
         mb = [samples[i] for i in mb_idx]
         if not mb:
             continue
         ntok = sum(len(x["completion"]) for x in mb)
         optimizer.zero_grad(set_to_none=True)
-        acc = defaultdict(float)
+        acc = dict.fromkeys(stats, 0.0)
         for s in range(0, len(mb), args.micro_batch_size):
             chunk = mb[s:s + args.micro_batch_size]
             lp, m = completion_logprobs(model, tok, [x["prompt"] for x in chunk], [x["completion"] for x in chunk],
                                         temperature=args.temperature)
-            C = lp.shape[1]  # the stored per-token vectors, right-aligned like lp:
-            old = torch.stack([F.pad(x["old"], (C - len(x["old"]), 0)) for x in chunk])
-            ref = torch.stack([F.pad(x["ref"], (C - len(x["ref"]), 0)) for x in chunk]) if args.kl_coef else old
-            adv = m * torch.tensor([float(x["adv"]) for x in chunk], device=m.device)[:, None]
+            old = _padded(chunk, "old", lp.shape[1], device)
+            ref = _padded(chunk, "ref", lp.shape[1], device) if args.kl_coef else old
+            adv = m * torch.tensor([float(x["adv"]) for x in chunk], device=device)[:, None]
             loss, pg, kl, cf = policy_loss(lp, old, ref, adv, m, args.clip_eps, args.dual_clip, args.kl_coef)
             w = float(m.sum()) / max(ntok, 1)  # token-mean over the whole minibatch
             (loss * w).backward()
@@ -579,61 +585,55 @@ def update(model, tok, optimizer, samples, args, rng):
             with torch.no_grad():
                 log_r = (lp - old) * m
                 acc["approx_kl"] += float(((torch.exp(log_r) - 1 - log_r) * m).sum()) / max(ntok, 1)
-        gn = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+        acc["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm))
         optimizer.step()
         for k, v in acc.items():
             stats[k].append(v)
-        stats["grad_norm"].append(float(gn))
     model.eval()
-    return {k: float(np.mean(v)) for k, v in stats.items()}
+    return {k: float(np.mean(v)) if v else 0.0 for k, v in stats.items()}
 
 
 # ----------------------------------------------------------------------------------------------
 # 5. Evaluation, logging and checkpoints
 # ----------------------------------------------------------------------------------------------
 def episode_record(ep, tag):
-    return {"tag": tag, "task_id": ep.task_id, "success": ep.success,
+    return {"tag": tag, "task_id": ep.task_id, "success": ep.success, "return": ep.env_return,
             "turns": [{"action": a, "observation": o, "invalid": inv}
                       for a, o, inv in zip(ep.actions, ep.observations, ep.invalid)]}
 
 
 def evaluate(model, tok, new_env, tasks, args, max_new_tokens):
-    """eval/success (sampled at the training temperature), eval/success_val_temp (the paper's 0.4),
-    eval/success_greedy, eval/return and eval/episode_length (of the training-temperature episodes)."""
-    out = {}
+    """Sampled (eval_k per test task, at the training temperature and at the paper's validation temperature
+    0.4: eval/success_val_temp) and greedy episodes on the test tasks."""
     tasks_k = [t for t in tasks for _ in range(args.eval_k)]
     episodes = rollout(model, tok, new_env, tasks_k, [0] * len(tasks_k), args.temperature, max_new_tokens)
-    out["eval/success"], out["eval/success_se"] = mean_se([e.success for e in episodes])
-    out["eval/return"] = float(np.mean([sum(e.env_rewards) for e in episodes]))
-    out["eval/episode_length"] = float(np.mean([e.length for e in episodes]))
-    n = sum(e.length for e in episodes)
-    out["eval/invalid_rate"] = float(sum(sum(e.invalid) for e in episodes) / max(n, 1))
     val = rollout(model, tok, new_env, tasks_k, [0] * len(tasks_k), args.eval_temperature, max_new_tokens)
-    out["eval/success_val_temp"], out["eval/success_val_temp_se"] = mean_se([e.success for e in val])
     greedy = rollout(model, tok, new_env, tasks, [0] * len(tasks), 1.0, max_new_tokens, greedy=True)
-    out["eval/success_greedy"], out["eval/success_greedy_se"] = mean_se([e.success for e in greedy])
-    records = [episode_record(e, "sampled") for e in episodes[: args.num_logged_episodes]]
+    out, n_turns = {}, sum(ep.length for ep in episodes)
+    out["eval/success"], out["eval/success_se"] = mean_se([ep.success for ep in episodes])
+    out["eval/success_greedy"], out["eval/success_greedy_se"] = mean_se([ep.success for ep in greedy])
+    out["eval/success_val_temp"], out["eval/success_val_temp_se"] = mean_se([ep.success for ep in val])
+    out["eval/return"] = float(np.mean([ep.env_return for ep in episodes]))
+    out["eval/return_greedy"] = float(np.mean([ep.env_return for ep in greedy]))
+    out["eval/episode_length"] = float(np.mean([ep.length for ep in episodes]))
+    out["eval/invalid_rate"] = float(sum(sum(ep.invalid) for ep in episodes) / max(n_turns, 1))
+    records = [episode_record(ep, "sampled") for ep in episodes[: args.num_logged_episodes]]
+    records += [episode_record(ep, "greedy") for ep in greedy[: max(1, args.num_logged_episodes // 2)]]
     return out, records
 
 
-def iteration_row(episodes, samples, ustats, cstats, t_roll, t_credit, t_upd, t_total):
-    """The metrics of one training iteration."""
+def iteration_row(episodes, samples, ustats, cstats, seconds):
+    """The metrics of one iteration: training rollouts, losses, credit statistics and seconds per phase."""
     n_turns = sum(ep.length for ep in episodes)
-    n_tok = sum(len(s["completion"]) for s in samples)
     row = {
         "charts/success": float(np.mean([ep.success for ep in episodes])),
-        "charts/return": float(np.mean([sum(ep.env_rewards) for ep in episodes])),
+        "charts/return": float(np.mean([ep.env_return for ep in episodes])),
         "charts/episode_length": float(np.mean([ep.length for ep in episodes])),
         "charts/invalid_rate": float(sum(sum(ep.invalid) for ep in episodes) / max(n_turns, 1)),
-        **{f"losses/{k}": ustats.get(k, 0.0) for k in ("policy_loss", "loss", "kl_ref", "approx_kl", "clip_frac",
-                                                         "grad_norm")},
+        **{f"losses/{k}": v for k, v in ustats.items()},
         **cstats,
-        "credit/graph_time_frac": cstats["credit/graph_seconds"] / max(t_total, 1e-9),
-        "perf/rollout_seconds": t_roll,
-        "perf/credit_seconds": t_credit,
-        "perf/update_seconds": t_upd,
-        "perf/iteration_seconds": t_total,
-        "perf/tokens_per_second": n_tok / max(t_roll, 1e-9),
+        **{f"perf/{k}_seconds": v for k, v in seconds.items()},
+        "perf/tokens_per_second": sum(len(x["completion"]) for x in samples) / max(seconds["rollout"], 1e-9),
         "perf/samples": len(samples),
     }
     if torch.cuda.is_available():
@@ -732,33 +732,39 @@ def save_adapter(model, run_dir: Path):
 # ----------------------------------------------------------------------------------------------
 # 6. Main loop
 # ----------------------------------------------------------------------------------------------
-def make_env(env_id, env_kwargs, max_turns):
-    """A function that builds the env (user errors -> UserError) and one probe instance."""
+def make_env(args):
+    """The env factory `new_env` (user errors -> UserError), one probe instance, the policy's model-dependent
+    defaults (`policy_defaults`) and the env options."""
     import envs
-    from common.models import UserError
+    from common.models import UserError, policy_defaults
 
-    if env_id not in envs.available():
-        raise UserError(f"env {env_id!r} is not available in this checkout; "
-                        f"available env ids: {', '.join(envs.available()) or 'none'}")
-    if env_id in getattr(envs, "TWO_PLAYER", ()):
-        raise UserError(f"env {env_id!r} is a two-player game; GraphGPO needs a single-agent env such as sokoban")
-    kw = dict(env_kwargs)
+    if args.env_id not in envs.available():
+        raise UserError(f"env {args.env_id!r} is not available in this checkout; available env ids: "
+                        f"{', '.join(envs.available()) or 'none'}")
+    if args.env_id in envs.TWO_PLAYER:
+        raise UserError(f"env {args.env_id!r} is a two-player game; GraphGPO needs a single-agent env such as sokoban")
+    # a tiny policy was trained on prompts rendered with its recipe's env options: use the same ones
+    defaults = policy_defaults(args.model_name, args.env_id, args.tiny_preset, learning_rate=1e-5, max_new_tokens=512)
+    kw = dict(defaults.env_kwargs)
+    if args.history is not None:
+        kw["history"] = args.history
 
-    def make():
-        env = envs.make(env_id, **kw)
-        if max_turns:
-            env.max_turns = max_turns
+    def new_env():
+        env = envs.make(args.env_id, **kw)
+        if args.max_turns:
+            env.max_turns = args.max_turns
         return env
 
     try:
-        probe = make()
+        probe = new_env()
         probe.reset(probe.task_ids("train")[0])
         probe.state_key()
     except ValueError as e:
-        raise UserError(f"env {env_id!r}: {e}") from None
+        raise UserError(f"env {args.env_id!r}: {e}") from None
     except NotImplementedError:
-        raise UserError(f"env {env_id!r} has no state_key(); GraphGPO needs one (sokoban, alfworld, webshop)") from None
-    return make, probe
+        raise UserError(f"env {args.env_id!r} has no state_key(); GraphGPO needs one "
+                        "(sokoban, alfworld, webshop)") from None
+    return new_env, probe, defaults, kw
 
 
 def check_args(args):
@@ -766,16 +772,16 @@ def check_args(args):
     from common.models import UserError
 
     if args.group_size < 2:
-        raise UserError("--group-size must be >= 2 (advantages are normalised within a group)")
-    if args.tasks_per_iteration < 1 or args.num_iterations < 0 or args.eval_k < 1:
-        raise UserError("--tasks-per-iteration and --eval-k must be >= 1, --num-iterations >= 0")
+        raise UserError("--group-size must be >= 2 (advantages compare the trajectories of a task)")
+    if args.tasks_per_iteration < 1 or args.num_iterations < 0 or args.micro_batch_size < 1 or args.eval_k < 1:
+        raise UserError("--tasks-per-iteration, --micro-batch-size and --eval-k must be >= 1, --num-iterations >= 0")
+    if args.history is not None and args.history < 0:
+        raise UserError(f"--history must be >= 0 (or None), got {args.history}")
     omega = args.omega if args.omega is not None else OMEGA_BY_ENV.get(args.env_id, 0.5)
     if not 0.0 < omega < 1.0:
         raise UserError(f"--omega must lie in (0, 1), got {omega}")
     if not 0.0 < args.similarity_threshold <= 1.0:
         raise UserError(f"--similarity-threshold must lie in (0, 1], got {args.similarity_threshold}")
-    if args.history is not None and args.history < 0:
-        raise UserError(f"--history must be >= 0 (or None), got {args.history}")
     return omega
 
 
@@ -788,7 +794,7 @@ def seed_everything(seed):
 
 
 def main(args: Args):
-    from common.models import load_policy, policy_defaults
+    from common.models import load_policy
 
     t_start = time.time()
     if args.torch_threads > 0:
@@ -796,12 +802,7 @@ def main(args: Args):
     omega = check_args(args)
     rng = seed_everything(args.seed)
 
-    # a tiny policy was trained on prompts rendered with its recipe's env options: use the same ones
-    defaults = policy_defaults(args.model_name, args.env_id, args.tiny_preset, learning_rate=1e-5, max_new_tokens=512)
-    env_kwargs = dict(defaults.env_kwargs)
-    if args.history is not None:
-        env_kwargs["history"] = args.history
-    new_env, probe = make_env(args.env_id, env_kwargs, args.max_turns)
+    new_env, probe, defaults, env_kwargs = make_env(args)
     train_tasks = list(probe.task_ids("train"))
     test_tasks = list(probe.task_ids("test"))[: args.eval_num_tasks or None]  # 0: all of them
     lr = args.learning_rate if args.learning_rate is not None else defaults.learning_rate
@@ -833,22 +834,25 @@ def main(args: Args):
     G = args.group_size
     bar = tqdm(range(1, args.num_iterations + 1), desc=f"graphgpo[{args.step_advantage}]", dynamic_ncols=True)
     for it in bar:
-        t_iter = time.time()
-        tasks = [train_tasks[i] for i in rng.choice(len(train_tasks), size=args.tasks_per_iteration,
-                                                    replace=len(train_tasks) < args.tasks_per_iteration)]
-        episodes = rollout(model, tok, new_env, [t for t in tasks for _ in range(G)],
-                      [g for g in range(len(tasks)) for _ in range(G)], args.temperature, max_new)
-        t_roll = time.time() - t_iter
+        t0 = time.time()
+        chosen = rng.choice(len(train_tasks), size=args.tasks_per_iteration,
+                            replace=len(train_tasks) < args.tasks_per_iteration)
+        tasks = [train_tasks[i] for i in chosen for _ in range(G)]
+        groups = [g for g in range(len(chosen)) for _ in range(G)]
+        episodes = rollout(model, tok, new_env, tasks, groups, args.temperature, max_new)
+        seconds = {"rollout": time.time() - t0}
 
         t1 = time.time()
         samples, cstats = compute_advantages(episodes, args, omega)
-        t_credit = time.time() - t1
+        seconds["credit"] = time.time() - t1
 
         t2 = time.time()
         ustats = update(model, tok, optimizer, samples, args, rng)
-        t_upd = time.time() - t2
+        seconds["update"] = time.time() - t2
+        seconds["iteration"] = time.time() - t0
+        cstats["credit/graph_time_frac"] = cstats["credit/graph_seconds"] / max(seconds["iteration"], 1e-9)
 
-        row = iteration_row(episodes, samples, ustats, cstats, t_roll, t_credit, t_upd, time.time() - t_iter)
+        row = iteration_row(episodes, samples, ustats, cstats, seconds)
         if args.eval_every and (it % args.eval_every == 0 or it == args.num_iterations):
             last_eval = run_eval(it)
             row.update(last_eval)
@@ -856,7 +860,7 @@ def main(args: Args):
         if args.save_model and args.checkpoint_every and it % args.checkpoint_every == 0:
             save_adapter(model, run_dir)
         bar.set_postfix(success=f"{row['charts/success']:.2f}", reward=f"{row['charts/return']:.2f}",
-                        loss=f"{row['losses/loss']:.3f}")
+                        loss=f"{row['losses/policy_loss']:.3f}")
     if args.num_iterations and not args.eval_every:
         last_eval = run_eval(args.num_iterations)
         logger.log(args.num_iterations, last_eval)

@@ -84,8 +84,8 @@ class Args:
     """LoRA dropout"""
     activation_checkpointing: bool = False
     """activation checkpointing in the training forward (saves GPU memory on real models)"""
-    max_new_tokens: int = 0
-    """most tokens generated per turn (0: the tiny recipe's, Sokoban 4, for the tiny policy; 512 otherwise)"""
+    max_new_tokens: Optional[int] = None
+    """most tokens generated per turn; None: the tiny recipe's (Sokoban 4) on the tiny policy, else 512 (paper: 512)"""
     temperature: float = 1.0
     """sampling temperature of the rollouts (paper: 1.0)"""
     eval_temperature: float = 1.0
@@ -126,6 +126,10 @@ class Args:
     """gradient clipping of the policy (verl default)"""
     prm_max_grad_norm: float = 10.0
     """gradient clipping of the PRM (official)"""
+    num_minibatches: int = 2
+    """optimizer steps per iteration (the turns are split into this many minibatches)"""
+    micro_batch_size: int = 64
+    """turns per forward pass (gradient accumulation inside a minibatch)"""
     beta: float = 0.05
     """β of the implicit reward (paper: 0.05)"""
     alpha: float = 1.0
@@ -145,17 +149,13 @@ class Args:
     invalid_penalty: float = 0.1
     """subtracted from the outcome per invalid action (paper: 0.1)"""
     clip_eps: float = 0.2
-    """ε of the clipped ratio (paper: 0.2)"""
+    """ε of the clipped importance ratio (paper: 0.2)"""
     dual_clip: float = 3.0
-    """dual-clip constant for negative advantages (verl, as run officially; 0 disables)"""
+    """dual-clip constant c for negative advantages (verl default; 0 disables)"""
     ratio_level: Literal["step", "token"] = "step"
     """'step': one ratio per action, step-mean (paper Eq. 6, GSPO-style); 'token': token-mean (official verl)"""
-    num_minibatches: int = 2
-    """policy optimizer steps per iteration (the steps are split into this many minibatches)"""
-    micro_batch_size: int = 64
-    """steps per forward pass (gradient accumulation inside a minibatch)"""
     adv_eps: float = 1e-6
-    """ε in (r - mean) / (std + ε)"""
+    """ε in (x - mean) / (std + ε)"""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -258,6 +258,16 @@ def normalize_step_rewards(step_rewards, eps=1e-6):
     return r / (r.abs().max() + eps)
 
 
+def trajectory_outcomes(episodes, invalid_penalty, threshold=None):
+    """The outcome of every trajectory, r_o = env return - invalid_penalty * (its invalid actions), whether it
+    is a positive of the PRM's DPO pairs (threshold None: the episode succeeded; else r_o > threshold) and
+    its group. Returns (outcomes [N] float64, positive [N] bool, group [N] long)."""
+    outcomes = torch.tensor([ep.env_return - invalid_penalty * sum(ep.invalid) for ep in episodes],
+                            dtype=torch.float64)
+    positive = outcomes > threshold if threshold is not None else torch.tensor([ep.success for ep in episodes])
+    return outcomes, positive, torch.tensor([ep.group_id for ep in episodes])
+
+
 def compute_advantages(samples, outcomes, traj_group, step_r, tok_r, args):
     """Samples in (one per step), each gets `adv`, one advantage per completion token: A = A^E + α·A^S of
     its step reward on every token (Eq. 3-5), or with --step-reward-granularity token every token is its
@@ -288,17 +298,17 @@ def compute_advantages(samples, outcomes, traj_group, step_r, tok_r, args):
 # ----------------------------------------------------------------------------------------------
 @dataclass
 class Episode:
-    """One trajectory: the samples of its steps and what the credit functions need."""
+    """One trajectory: the samples of its turns and what the credit functions need."""
 
     traj_id: int
     group_id: int
     task_id: str
-    prompts: list = field(default_factory=list)  # per step: prompt token ids (as rendered at sampling)
-    completions: list = field(default_factory=list)  # per step: generated ids (EOS included if emitted)
-    actions: list = field(default_factory=list)  # per step: decoded text
+    prompts: list = field(default_factory=list)  # per turn: prompt token ids (as rendered at sampling)
+    completions: list = field(default_factory=list)  # per turn: generated ids (EOS included if emitted)
+    actions: list = field(default_factory=list)  # per turn: decoded text
     observations: list = field(default_factory=list)
     invalid: list = field(default_factory=list)
-    progress_delta: list = field(default_factory=list)  # per step: change of info["progress"] (nan if unknown)
+    progress_delta: list = field(default_factory=list)  # per turn: change of info["progress"] (nan if unknown)
     success: bool = False
     env_return: float = 0.0
 
@@ -348,8 +358,8 @@ def _progress(env, info=None):
 
 
 def rollout(model, tok, new_env, task_ids, group_ids, temperature, max_new_tokens, greedy=False):
-    """Play one episode per task id with the policy adapter, all envs stepped together (one batched
-    generate per turn). Returns the episodes with every step's prompt and completion token ids."""
+    """Play one episode per task id with the policy adapter, all envs stepped together: one batched generate
+    per turn. Records every turn's prompt and completion token ids and its change of env progress."""
     envs_, episodes, prog = [], [], []
     for i, (task, g) in enumerate(zip(task_ids, group_ids)):
         env = new_env()
@@ -410,12 +420,8 @@ def completion_logprobs(model, tok, prompt_ids, completion_ids, temperature=1.0)
 
 
 def _padded(samples, key, C, device):
-    """Right-aligned [B, C] tensor of the per-token vectors samples[j][key]."""
-    out = torch.zeros((len(samples), C), device=device)
-    for j, x in enumerate(samples):
-        v = x[key]
-        out[j, C - len(v):] = v.to(device) if torch.is_tensor(v) else torch.as_tensor(v, dtype=torch.float32)
-    return out
+    """Right-aligned [B, C] tensor of the per-token vectors samples[j][key], zeros on the left."""
+    return torch.stack([F.pad(x[key].to(device), (C - len(x[key]), 0)) for x in samples])
 
 
 @torch.no_grad()
@@ -520,44 +526,42 @@ def policy_loss(logp, old_logp, adv, weights, clip_eps, dual_clip, step_mask=Non
 
 
 def update(model, tok, optimizer, samples, args, rng):
-    """One pass over the steps in `num_minibatches` optimizer steps of the policy adapter. samples: dicts
-    with prompt, completion, old (token log-probs) and adv (per-token advantages). Step-level ratio and
-    step-mean (`--ratio-level step`, Eq. 6) or per-token ratios and token-mean (`token`)."""
+    """One pass over the turns in `num_minibatches` optimizer steps of the policy adapter. samples: dicts
+    with prompt, completion, old (π_θold's token log-probs) and adv (per-token advantages). Step-level ratio
+    and step-mean (`--ratio-level step`, Eq. 6) or per-token ratios and token-mean (`token`)."""
     device = next(model.parameters()).device
     model.set_adapter("default")
     model.train()
-    order = rng.permutation(len(samples))
-    stats = {"loss": [], "kl": [], "clipfrac": [], "grad_norm": []}
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    for mb_idx in np.array_split(order, max(1, args.num_minibatches)):
+    stats = {k: [] for k in ("policy_loss", "approx_kl", "clip_frac", "grad_norm")}
+    for mb_idx in np.array_split(rng.permutation(len(samples)), max(1, args.num_minibatches)):
         mb = [samples[i] for i in mb_idx]
         if not mb:
             continue
         ntok = sum(len(x["completion"]) for x in mb)
         optimizer.zero_grad(set_to_none=True)
-        tot_loss, kl_sum, clip_sum = 0.0, 0.0, 0.0
+        acc = dict.fromkeys(stats, 0.0)
         for s in range(0, len(mb), args.micro_batch_size):
             chunk = mb[s:s + args.micro_batch_size]
             lp, m = completion_logprobs(model, tok, [x["prompt"] for x in chunk], [x["completion"] for x in chunk],
                                         temperature=args.temperature)
-            C = lp.shape[1]
-            old = _padded(chunk, "old", C, device)
-            adv = _padded(chunk, "adv", C, device)
+            old = _padded(chunk, "old", lp.shape[1], device)
+            adv = _padded(chunk, "adv", lp.shape[1], device)
             if args.ratio_level == "step":
                 w = m / (m.sum(-1, keepdim=True).clamp(min=1.0) * len(mb))
                 loss, clipped, _ = policy_loss(lp, old, adv, w, args.clip_eps, args.dual_clip, step_mask=m)
             else:
                 loss, clipped, _ = policy_loss(lp, old, adv, m / ntok, args.clip_eps, args.dual_clip)
             loss.backward()
-            tot_loss += float(loss.detach())
+            acc["policy_loss"] += float(loss.detach())
             with torch.no_grad():
-                logr = (lp - old) * m
-                kl_sum += float((((torch.exp(logr) - 1) - logr) * m).sum())
-                clip_sum += float((clipped * m).sum())
-        gn = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+                log_r = (lp - old) * m
+                acc["approx_kl"] += float(((torch.exp(log_r) - 1 - log_r) * m).sum())
+                acc["clip_frac"] += float((clipped * m).sum())
+        acc["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm))
         optimizer.step()
-        for k, v in zip(stats, (tot_loss, kl_sum / max(ntok, 1), clip_sum / max(ntok, 1), float(gn))):
-            stats[k].append(v)
+        for k, v in acc.items():  # the token sums become token means
+            stats[k].append(v / max(ntok, 1) if k in ("approx_kl", "clip_frac") else v)
     model.eval()
     return {k: float(np.mean(v)) if v else 0.0 for k, v in stats.items()}
 
@@ -567,57 +571,59 @@ def update(model, tok, optimizer, samples, args, rng):
 # ----------------------------------------------------------------------------------------------
 def episode_record(ep, tag):
     return {"tag": tag, "task_id": ep.task_id, "success": ep.success, "return": ep.env_return,
-            "steps": [{"action": a, "observation": o} for a, o in zip(ep.actions, ep.observations)]}
+            "turns": [{"action": a, "observation": o, "invalid": inv}
+                      for a, o, inv in zip(ep.actions, ep.observations, ep.invalid)]}
 
 
 def evaluate(model, tok, new_env, tasks, args, max_new_tokens):
-    """Sampled (training temperature) and greedy episodes on the test tasks with the policy adapter."""
-    ids = list(range(len(tasks)))
-    episodes = rollout(model, tok, new_env, tasks, ids, args.eval_temperature, max_new_tokens)
-    greedy = rollout(model, tok, new_env, tasks, ids, 1.0, max_new_tokens, greedy=True)
-    out = {}
+    """Sampled (one per test task, at --eval-temperature) and greedy episodes on the test tasks with the
+    policy adapter."""
+    episodes = rollout(model, tok, new_env, tasks, [0] * len(tasks), args.eval_temperature, max_new_tokens)
+    greedy = rollout(model, tok, new_env, tasks, [0] * len(tasks), 1.0, max_new_tokens, greedy=True)
+    out, n_turns = {}, sum(ep.length for ep in episodes)
     out["eval/success"], out["eval/success_se"] = mean_se([ep.success for ep in episodes])
     out["eval/success_greedy"], out["eval/success_greedy_se"] = mean_se([ep.success for ep in greedy])
     out["eval/return"] = float(np.mean([ep.env_return for ep in episodes]))
     out["eval/return_greedy"] = float(np.mean([ep.env_return for ep in greedy]))
     out["eval/episode_length"] = float(np.mean([ep.length for ep in episodes]))
+    out["eval/invalid_rate"] = float(sum(sum(ep.invalid) for ep in episodes) / max(n_turns, 1))
     records = [episode_record(ep, "sampled") for ep in episodes[: args.num_logged_episodes]]
     records += [episode_record(ep, "greedy") for ep in greedy[: max(1, args.num_logged_episodes // 2)]]
     return out, records
 
 
-def iteration_row(episodes, samples, traj_success, step_r, pstats, ustats, cstats, t_roll, t_old, t_prm, t_upd):
-    """The metrics of one iteration: training rollouts, losses, credit (PRM statistics when `pstats`
-    is given, i.e. the PRM is in use) and seconds per phase."""
-    n_steps = sum(ep.length for ep in episodes)
+def iteration_row(episodes, samples, ustats, cstats, seconds):
+    """The metrics of one iteration: training rollouts, losses, credit statistics and seconds per phase."""
+    n_turns = sum(ep.length for ep in episodes)
     row = {
         "charts/success": float(np.mean([ep.success for ep in episodes])),
         "charts/return": float(np.mean([ep.env_return for ep in episodes])),
         "charts/episode_length": float(np.mean([ep.length for ep in episodes])),
-        "charts/invalid_rate": float(sum(sum(ep.invalid) for ep in episodes) / max(n_steps, 1)),
-        "charts/positive_frac": float(traj_success.float().mean()),
-        "losses/policy_loss": ustats["loss"],
-        "losses/approx_kl": ustats["kl"],
-        "losses/clip_frac": ustats["clipfrac"],
-        "losses/grad_norm": ustats["grad_norm"],
+        "charts/invalid_rate": float(sum(sum(ep.invalid) for ep in episodes) / max(n_turns, 1)),
+        **{f"losses/{k}": v for k, v in ustats.items()},
         **cstats,
-        "perf/rollout_seconds": t_roll,
-        "perf/old_logprob_seconds": t_old,
-        "perf/prm_seconds": t_prm,
-        "perf/update_seconds": t_upd,
+        **{f"perf/{k}_seconds": v for k, v in seconds.items()},
+        "perf/tokens_per_second": sum(len(x["completion"]) for x in samples) / max(seconds["rollout"], 1e-9),
         "perf/samples": len(samples),
-        "perf/tokens_per_second": sum(len(x["completion"]) for x in samples) / max(t_roll, 1e-9),
     }
-    if pstats is not None:
-        succ = traj_success[torch.tensor([x["traj"] for x in samples], dtype=torch.long)].numpy()
-        r = step_r.double().numpy()
-        row.update({f"credit/{k}": v for k, v in pstats.items()})
-        row["credit/step_reward_mean"] = float(r.mean()) if len(r) else 0.0
-        row["credit/step_reward_abs_mean"] = float(np.abs(r).mean()) if len(r) else 0.0
-        row["credit/step_reward_success_mean"] = float(r[succ].mean()) if succ.any() else float("nan")
-        row["credit/step_reward_failure_mean"] = float(r[~succ].mean()) if (~succ).any() else float("nan")
     if torch.cuda.is_available():
         row["perf/peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    return row
+
+
+def prm_stats(samples, traj_success, step_r, pstats):
+    """The fraction of positive trajectories and, when the PRM is in use (`pstats` given), its statistics
+    and those of its step rewards (of all steps, of the steps of positive and of other trajectories)."""
+    row = {"charts/positive_frac": float(traj_success.float().mean())}
+    if pstats is None:
+        return row
+    succ = traj_success[torch.tensor([x["traj"] for x in samples], dtype=torch.long)].numpy()
+    r = step_r.double().numpy()
+    row.update({f"credit/{k}": v for k, v in pstats.items()})
+    row["credit/step_reward_mean"] = float(r.mean()) if len(r) else 0.0
+    row["credit/step_reward_abs_mean"] = float(np.abs(r).mean()) if len(r) else 0.0
+    row["credit/step_reward_success_mean"] = float(r[succ].mean()) if succ.any() else float("nan")
+    row["credit/step_reward_failure_mean"] = float(r[~succ].mean()) if (~succ).any() else float("nan")
     return row
 
 
@@ -717,8 +723,7 @@ class Logger:
         self.samples.flush()
 
 
-def save_adapters(model, run_dir: Path):
-    """Both adapters: the policy ("default") in adapter/, the PRM in adapter/prm/."""
+def save_adapter(model, run_dir: Path):
     model.save_pretrained(str(run_dir / "adapter"))
 
 
@@ -726,14 +731,14 @@ def save_adapters(model, run_dir: Path):
 # 6. Main loop
 # ----------------------------------------------------------------------------------------------
 def make_env(args):
-    """A function that builds the env (user errors -> UserError), one probe instance, and the policy's
-    model-dependent defaults (`policy_defaults`)."""
+    """The env factory `new_env` (user errors -> UserError), one probe instance, the policy's model-dependent
+    defaults (`policy_defaults`) and the env options."""
     import envs
     from common.models import UserError, policy_defaults
 
     if args.env_id not in envs.available():
         raise UserError(f"env {args.env_id!r} is not available in this checkout; available env ids: "
-                        f"{', '.join(envs.available())}")
+                        f"{', '.join(envs.available()) or 'none'}")
     # a tiny policy was trained on prompts rendered with its recipe's env options: use the same ones
     defaults = policy_defaults(args.model_name, args.env_id, args.tiny_preset, learning_rate=1e-5, max_new_tokens=512)
     kw = dict(defaults.env_kwargs)
@@ -742,7 +747,7 @@ def make_env(args):
     if args.env_id == "sokoban":
         kw["reward"] = args.sokoban_reward
 
-    def make():
+    def new_env():
         env = envs.make(args.env_id, **kw)
         if args.env_id in envs.TWO_PLAYER:
             env = envs.vs_opponent(env, opponent=args.opponent)
@@ -751,20 +756,23 @@ def make_env(args):
         return env
 
     try:
-        probe = make()
+        probe = new_env()
         probe.reset(probe.task_ids("test")[0])
     except ValueError as e:
         raise UserError(f"env {args.env_id!r}: {e}") from None
-    return make, probe, defaults
+    return new_env, probe, defaults, kw
 
 
 def check_args(args):
+    """User errors in the arguments -> UserError."""
     from common.models import UserError
 
     if args.group_size < 2:
-        raise UserError("--group-size must be >= 2 (RLOO/GRPO compare trajectories of the same task)")
+        raise UserError("--group-size must be >= 2 (advantages compare the trajectories of a task)")
     if args.tasks_per_iteration < 1 or args.num_iterations < 0 or args.micro_batch_size < 1:
         raise UserError("--tasks-per-iteration and --micro-batch-size must be >= 1, --num-iterations >= 0")
+    if args.history is not None and args.history < 0:
+        raise UserError(f"--history must be >= 0 (or None), got {args.history}")
     if args.beta <= 0:
         raise UserError("--beta must be > 0 (it scales the implicit reward, paper: 0.05)")
 
@@ -786,7 +794,7 @@ def main(args: Args):
     check_args(args)
     rng = seed_everything(args.seed)
 
-    new_env, probe, defaults = make_env(args)
+    new_env, probe, defaults, env_kwargs = make_env(args)
     train_tasks = list(probe.task_ids("train"))
     test_tasks = list(probe.task_ids("test"))[: args.eval_num_tasks or None]  # 0: all of them
     threshold = args.positive_threshold
@@ -809,7 +817,9 @@ def main(args: Args):
     prm_optimizer = torch.optim.AdamW(prm_params, lr=prm_lr, weight_decay=args.weight_decay)
 
     run_dir, logger = start_run(args, {"resolved_learning_rate": lr, "resolved_prm_learning_rate": prm_lr,
-                                       "resolved_max_new_tokens": max_new, "resolved_positive_threshold": threshold})
+                                       "resolved_max_new_tokens": max_new, "max_turns_resolved": probe.max_turns,
+                                       "resolved_positive_threshold": threshold, "env_kwargs": env_kwargs,
+                                       "num_train_tasks": len(train_tasks), "num_test_tasks": len(test_tasks)})
 
     def run_eval(it):
         t0 = time.time()
@@ -823,56 +833,53 @@ def main(args: Args):
     last_eval = first_eval
     print("eval before training: " + eval_line(first_eval))
 
-    N = args.group_size
+    G = args.group_size
     bar = tqdm(range(1, args.num_iterations + 1), desc="istar", dynamic_ncols=True)
     for it in bar:
         t0 = time.time()
         chosen = rng.choice(len(train_tasks), size=args.tasks_per_iteration,
                             replace=len(train_tasks) < args.tasks_per_iteration)
-        tasks = [train_tasks[i] for i in chosen for _ in range(N)]
-        groups = [g for g in range(len(chosen)) for _ in range(N)]
+        tasks = [train_tasks[i] for i in chosen for _ in range(G)]
+        groups = [g for g in range(len(chosen)) for _ in range(G)]
         episodes = rollout(model, tok, new_env, tasks, groups, args.temperature, max_new)
-        t_roll = time.time() - t0
+        seconds = {"rollout": time.time() - t0}
 
         t1 = time.time()
-        samples = training_samples(model, tok, episodes, args)  # one per step, with π_θold log-probs
-        t_old = time.time() - t1
+        samples = training_samples(model, tok, episodes, args)  # one per turn, with π_θold log-probs
+        seconds["old_logprob"] = time.time() - t1
 
-        # PRM: pre-update implicit step rewards (Eq. 1), then one trajectory-DPO step (Eq. 2)
+        # credit: pre-update implicit step rewards (Eq. 1), one trajectory-DPO step of the PRM (Eq. 2), A (Eq. 3-5)
         t2 = time.time()
-        outcomes = torch.tensor([ep.env_return - args.invalid_penalty * sum(ep.invalid) for ep in episodes],
-                                dtype=torch.float64)
-        traj_success = outcomes > threshold if threshold is not None else torch.tensor([ep.success for ep in episodes])
-        traj_group = torch.tensor([ep.group_id for ep in episodes])
+        outcomes, traj_success, traj_group = trajectory_outcomes(episodes, args.invalid_penalty, threshold)
         if use_prm:
             tok_r, step_r, pstats = prm_update(model, tok, prm_optimizer, samples, traj_success, traj_group, args)
         else:
-            tok_r, step_r, pstats = None, torch.zeros(len(samples)), {}
-        t_prm = time.time() - t2
-
-        cstats = compute_advantages(samples, outcomes, traj_group, step_r, tok_r, args)  # Eq. 3-5
+            tok_r, step_r, pstats = None, torch.zeros(len(samples)), None
+        seconds["prm"] = time.time() - t2
+        cstats = {**compute_advantages(samples, outcomes, traj_group, step_r, tok_r, args),
+                  **prm_stats(samples, traj_success, step_r, pstats)}
 
         t3 = time.time()
         ustats = update(model, tok, optimizer, samples, args, rng)  # Eq. 6
-        t_upd = time.time() - t3
+        seconds["update"] = time.time() - t3
+        seconds["iteration"] = time.time() - t0
 
-        row = iteration_row(episodes, samples, traj_success, step_r, pstats if use_prm else None, ustats, cstats,
-                            t_roll, t_old, t_prm, t_upd)
+        row = iteration_row(episodes, samples, ustats, cstats, seconds)
         logger.log_samples(it, [step_reward_record(episodes, step_r)] if use_prm else [])
         if args.eval_every and (it % args.eval_every == 0 or it == args.num_iterations):
             last_eval = run_eval(it)
             row.update(last_eval)
         logger.log(it, row)
         if args.save_model and args.checkpoint_every and it % args.checkpoint_every == 0:
-            save_adapters(model, run_dir)
-        acc = pstats.get("prm_pair_acc", float("nan"))
+            save_adapter(model, run_dir)
         bar.set_postfix(success=f"{row['charts/success']:.2f}", reward=f"{row['charts/return']:.2f}",
-                        loss=f"{ustats['loss']:.3f}", prm_acc=f"{acc:.2f}")
+                        loss=f"{row['losses/policy_loss']:.3f}",
+                        prm_acc=f"{row.get('credit/prm_pair_acc', math.nan):.2f}")
     if args.num_iterations and not args.eval_every:
         last_eval = run_eval(args.num_iterations)
         logger.log(args.num_iterations, last_eval)
     if args.save_model:
-        save_adapters(model, run_dir)
+        save_adapter(model, run_dir)
     return write_summary(run_dir, args, time.time() - t_start, first_eval, last_eval, "eval/success")
 
 

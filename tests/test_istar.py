@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from conftest import REPO, adapter_tensors, assert_adapter_trained, assert_run_outputs, read_metrics
-from istar import (Args, implicit_step_rewards, istar_advantages, normalize_step_rewards, update,
-                   preference_pairs, prm_update, trajectory_dpo_loss, trajectory_scores)
+from istar import (Args, Episode, implicit_step_rewards, istar_advantages, normalize_step_rewards, update,
+                   preference_pairs, prm_update, trajectory_dpo_loss, trajectory_outcomes, trajectory_scores)
 
 torch.set_num_threads(1)
 
@@ -196,6 +196,18 @@ def test_policy_loss_step_level_ratio_hand_computed():
     assert abs(float(loss2) - (-(1.2 + 1.809675) / 2)) < 1e-5
     loss2.backward()
     assert logp2.grad[0].abs().max() == 0 and clipped2[0].eq(1).all()
+
+
+def test_trajectory_outcomes_hand_computed():
+    # returns 10 (solved, 2 invalid), -1.5 (1 invalid), 0 (no invalid): r_o = 10 - 0.2, -1.5 - 0.1, 0
+    eps = [Episode(0, 0, "a"), Episode(1, 0, "a"), Episode(2, 1, "b")]
+    for ep, ret, inv, ok in zip(eps, (10.0, -1.5, 0.0), ([1, 0, 1], [1], [0, 0]), (True, False, False)):
+        ep.env_return, ep.invalid, ep.success = ret, [bool(i) for i in inv], ok
+    out, pos, grp = trajectory_outcomes(eps, 0.1)
+    assert torch.allclose(out, torch.tensor([9.8, -1.6, 0.0], dtype=torch.float64))
+    assert pos.tolist() == [True, False, False] and grp.tolist() == [0, 0, 1]
+    _, pos, _ = trajectory_outcomes(eps, 0.1, threshold=-0.05)  # positive = r_o > -0.05
+    assert pos.tolist() == [True, False, True]
 
 
 def test_normalize_step_rewards():
@@ -385,7 +397,7 @@ def test_sokoban_outcome_is_the_papers_shaped_reward():
     # the shaped return of a solved 1-box level: -0.1 per step, +1 for the box on its target, +10 on solving
     import istar
 
-    make, probe, _ = istar.make_env(istar.Args())  # the default tiny recipe's 1-box levels (not built here)
+    make, probe, _, _ = istar.make_env(istar.Args())  # the default tiny recipe's 1-box levels (not built here)
     env = make()
     env.reset(env.task_ids("train")[0])
     total, n = 0.0, 0
@@ -393,5 +405,5 @@ def test_sokoban_outcome_is_the_papers_shaped_reward():
         total += env.step(env.expert_action()).reward
         n += 1
     assert env.reward_type == "shaped" and abs(total - (11.0 - 0.1 * n)) < 1e-9
-    make, _, _ = istar.make_env(istar.Args(tiny_preset="micro", sokoban_reward="sparse"))
-    assert make().reward_type == "sparse"
+    make, _, _, kw = istar.make_env(istar.Args(tiny_preset="micro", sokoban_reward="sparse"))
+    assert make().reward_type == "sparse" and kw["reward"] == "sparse"

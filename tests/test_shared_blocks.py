@@ -13,7 +13,7 @@ from conftest import REPO
 METHODS = ["graphgpo.py", "istar.py", "delta_belief.py", "aria.py", "epo.py"]
 SHARED = ["render_prompt", "encode", "generate", "completion_logprobs", "mean_se", "learning_summary",
           "print_learning", "Logger", "start_run", "eval_line", "write_summary", "seed_everything"]
-SHARED_WHERE_DEFINED = ["save_adapter"]  # istar saves two adapters with its own save_adapters
+SHARED_WHERE_DEFINED = ["save_adapter"]
 
 
 def _blocks(name: str) -> dict[str, str]:
