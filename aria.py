@@ -502,8 +502,8 @@ def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False):
     return [row[: row.index(eos) + 1] if eos in row else row for row in out[:, L:].tolist()]
 
 
-def rollout(model, tok, new_game, task_ids, args, temperature, greedy=False):
-    """Games of a batch of tasks, each an `envs.Seated` from `new_game()`, all stepped together (one generate
+def rollout(model, tok, new_env, task_ids, args, temperature, greedy=False):
+    """Games of a batch of tasks, each an `envs.Seated` from `new_env()`, all stepped together (one generate
     per turn or round of messages).
 
     One policy seat (an env against its oracle, or a two-player game against a scripted style): the
@@ -512,7 +512,7 @@ def rollout(model, tok, new_game, task_ids, args, temperature, greedy=False):
     its player; R per player is the win indicator (`--game-reward win`) or the normalised payoff (`payoff`)."""
     from envs import extract_action
 
-    games = [new_game().reset(task) for task in task_ids]
+    games = [new_env().reset(task) for task in task_ids]
     episodes = [Episode(traj_id=i, task_id=str(task)) for i, task in enumerate(task_ids)]
     selfplay = bool(games) and list(games[0].seats.values()).count("policy") > 1
     rounds = range(2 * games[0].env.max_turns_per_player() + 2) if selfplay else itertools.count()
@@ -651,20 +651,20 @@ def episode_record(ep, tag, weights=None):
     return rec
 
 
-def evaluate(model, tok, new_game, probe, tasks, args, two_player):
+def evaluate(model, tok, new_env, probe, tasks, args, two_player):
     """Single agent: success over `eval_k` sampled games per test task and one greedy game per task.
-    Two-player: the policy plays each role against each scripted style (`new_game(seats)`); the win rate
+    Two-player: the policy plays each role against each scripted style (`new_env(seats)`); the win rate
     per role and style, sampled (`eval_k` games per task) and greedy."""
     out, records = {}, []
     if not two_player:
         tasks_k = [t for t in tasks for _ in range(args.eval_k)]
-        episodes = rollout(model, tok, new_game, tasks_k, args, args.eval_temperature)
+        episodes = rollout(model, tok, new_env, tasks_k, args, args.eval_temperature)
         out["eval/success"], out["eval/success_se"] = mean_se([ep.success for ep in episodes])
         out["eval/return"] = float(np.mean([ep.env_return for ep in episodes]))
         out["eval/episode_length"] = float(np.mean([ep.length for ep in episodes]))
         out["eval/invalid_frac"] = float(np.mean([s["invalid"] for ep in episodes for s in ep.steps]))
         records += [episode_record(ep, "eval/sampled") for ep in episodes[: args.num_logged_episodes]]
-        greedy = rollout(model, tok, new_game, tasks, args, 1.0, greedy=True)
+        greedy = rollout(model, tok, new_env, tasks, args, 1.0, greedy=True)
         out["eval/success_greedy"] = float(np.mean([ep.success for ep in greedy]))
         return out, records
     styles = list(args.eval_opponents) or list(probe.opponent_styles())
@@ -672,7 +672,7 @@ def evaluate(model, tok, new_game, probe, tasks, args, two_player):
     for role in probe.players:
         for style in styles:
             def make(role=role, style=style):
-                return new_game({p: "policy" if p == role else style for p in probe.players})
+                return new_env({p: "policy" if p == role else style for p in probe.players})
 
             tasks_k = [t for t in tasks for _ in range(args.eval_k)]
             episodes = rollout(model, tok, make, tasks_k, args, args.eval_temperature)
@@ -827,31 +827,39 @@ def save_adapter(model, run_dir: Path):
 # ----------------------------------------------------------------------------------------------
 # 6. Main loop
 # ----------------------------------------------------------------------------------------------
-def make_env(env_id, env_kwargs, max_turns):
-    """`new_game(seats=None)`, which builds the env (a single-agent env with `max_turns` when it is given)
-    as an `envs.Seated` game (default seats: the policy in every seat, self-play in a two-player game),
-    and one probe env. User errors -> UserError."""
+def make_env(args):
+    """The env factory `new_env` (user errors -> UserError), one probe instance, the policy's model-dependent
+    defaults (`policy_defaults`) and the env options. `new_env(seats=None)` builds the env (a single-agent env
+    with `--max-turns` when it is given) as an `envs.Seated` game (default seats: the policy in every seat,
+    self-play in a two-player game); the probe is the bare env."""
     import envs
-    from common.models import UserError
+    from common.models import UserError, policy_defaults
 
-    if env_id not in envs.available():
-        raise UserError(f"env {env_id!r} is not available in this checkout; available env ids: "
+    # a tiny policy was trained on prompts rendered with its recipe's env options: use the same ones
+    defaults = policy_defaults(args.model_name, args.env_id, args.tiny_preset, learning_rate=2e-5, max_new_tokens=128)
+    kw = dict(defaults.env_kwargs)
+    if args.history is not None:
+        kw["history"] = args.history
+    if args.env_id not in envs.available():
+        raise UserError(f"env {args.env_id!r} is not available in this checkout; available env ids: "
                         f"{', '.join(envs.available()) or 'none'}")
-    two_player = env_id in envs.TWO_PLAYER
-    kw = dict(env_kwargs)
+    two_player = args.env_id in envs.TWO_PLAYER
 
     def make():
-        env = envs.make(env_id, **kw)
-        if max_turns and not two_player:
-            env.max_turns = max_turns
+        env = envs.make(args.env_id, **kw)
+        if args.max_turns and not two_player:
+            env.max_turns = args.max_turns
         return env
+
+    def new_env(seats=None):
+        return envs.Seated(make(), seats)
 
     try:
         probe = make()
         probe.reset(probe.task_ids("train")[0])
     except (ValueError, TypeError) as e:
-        raise UserError(f"env {env_id!r}: {e}") from None
-    return lambda seats=None: envs.Seated(make(), seats), probe
+        raise UserError(f"env {args.env_id!r}: {e}") from None
+    return new_env, probe, defaults, kw
 
 
 def check_args(args):
@@ -877,7 +885,7 @@ def seed_everything(seed):
 
 def main(args: Args):
     import envs
-    from common.models import UserError, load_policy, policy_defaults
+    from common.models import UserError, load_policy
 
     t_start = time.time()
     if args.torch_threads > 0:
@@ -885,12 +893,7 @@ def main(args: Args):
     check_args(args)
     rng = seed_everything(args.seed)
 
-    # a tiny policy was trained on prompts rendered with its recipe's env options: use the same ones
-    defaults = policy_defaults(args.model_name, args.env_id, args.tiny_preset, learning_rate=2e-5, max_new_tokens=128)
-    env_kwargs = dict(defaults.env_kwargs)
-    if args.history is not None:
-        env_kwargs["history"] = args.history
-    new_game, probe = make_env(args.env_id, env_kwargs, args.max_turns)
+    new_env, probe, defaults, env_kwargs = make_env(args)
     two_player = args.env_id in envs.TWO_PLAYER
     eval_metric = "eval/payoff_share" if two_player else "eval/success"
     if two_player:
@@ -922,7 +925,7 @@ def main(args: Args):
 
     def run_eval(it):
         t0 = time.time()
-        row, records = evaluate(model, tok, new_game, probe, test_tasks, args, two_player)
+        row, records = evaluate(model, tok, new_env, probe, test_tasks, args, two_player)
         row["perf/eval_seconds"] = time.time() - t0
         logger.log_samples(it, records)
         return row
@@ -937,7 +940,7 @@ def main(args: Args):
         t0 = time.time()
         tasks = [train_tasks[i] for i in rng.choice(len(train_tasks), size=args.games_per_iteration,
                                                     replace=len(train_tasks) < args.games_per_iteration)]
-        episodes = rollout(model, tok, new_game, tasks, args, args.temperature)
+        episodes = rollout(model, tok, new_env, tasks, args, args.temperature)
         t_roll = time.time() - t0
         # credit: raw discounted returns, and their aggregation in the intention space (always logged)
         samples, cstats = compute_advantages(episodes, embedder, args)

@@ -767,15 +767,15 @@ def save_adapter(model, run_dir: Path):
 # ----------------------------------------------------------------------------------------------
 # 6. Main loop
 # ----------------------------------------------------------------------------------------------
-def make_env(env_id, env_kwargs, max_turns, what="env"):
-    """The env factory `new_env` (user errors -> UserError) and one probe instance."""
+def env_factory(env_id, kw, max_turns, what):
+    """The env factory `new_env` of `env_id` with options `kw` (user errors -> UserError, naming the env
+    `what`: "env", or "--eval-env-id" for the out-of-distribution one) and one probe instance."""
     import envs
     from common.models import UserError
 
     if env_id not in envs.available():
         raise UserError(f"{what} {env_id!r} is not available in this checkout; available env ids: "
                         f"{', '.join(envs.available()) or 'none'}")
-    kw = dict(env_kwargs)
 
     def new_env():
         env = envs.make(env_id, **kw)
@@ -792,6 +792,21 @@ def make_env(env_id, env_kwargs, max_turns, what="env"):
         raise UserError(f"{what} {env_id!r} has no hidden target (env.target); ΔBelief needs one "
                         "(twenty_questions, guess_my_city)")
     return new_env, probe
+
+
+def make_env(args):
+    """The env factory `new_env` (user errors -> UserError), one probe instance, the policy's model-dependent
+    defaults (`policy_defaults`) and the env options."""
+    from common.models import policy_defaults
+
+    # a tiny policy was trained on prompts rendered with its recipe's env options: use the same ones
+    defaults = policy_defaults(args.model_name, args.env_id, args.tiny_preset, learning_rate=3e-5, max_new_tokens=50,
+                               tiny_learning_rate=1e-4)
+    kw = dict(defaults.env_kwargs)
+    if args.history is not None:
+        kw["history"] = args.history
+    new_env, probe = env_factory(args.env_id, kw, args.max_turns, "env")
+    return new_env, probe, defaults, kw
 
 
 def check_args(args):
@@ -817,7 +832,7 @@ def make_ood_env(args, env_kwargs, max_turns, is_tiny):
     ood_kwargs = {k: env_kwargs[k] for k in ("instructions", "numbered") if k in env_kwargs}
     if args.history is not None:
         ood_kwargs["history"] = args.history
-    new_ood_env, ood_probe = make_env(args.eval_env_id, ood_kwargs, max_turns, "--eval-env-id")
+    new_ood_env, ood_probe = env_factory(args.eval_env_id, ood_kwargs, max_turns, "--eval-env-id")
     ood_tasks = ood_probe.task_ids("test")
     return (new_ood_env, ood_tasks[: args.eval_num_tasks] if args.eval_num_tasks else ood_tasks,
             belief_message_for(args.belief_template, ood_probe, is_tiny))
@@ -832,7 +847,7 @@ def seed_everything(seed):
 
 
 def main(args: Args):
-    from common.models import load_policy, policy_defaults
+    from common.models import load_policy
 
     t_start = time.time()
     if args.torch_threads > 0:
@@ -840,13 +855,8 @@ def main(args: Args):
     check_args(args)
     rng = seed_everything(args.seed)
 
-    # a tiny policy was trained on prompts rendered with its recipe's env options: use the same ones
-    defaults = policy_defaults(args.model_name, args.env_id, args.tiny_preset, learning_rate=3e-5, max_new_tokens=50,
-                               tiny_learning_rate=1e-4)
-    env_kwargs, is_tiny = dict(defaults.env_kwargs), defaults.is_tiny
-    if args.history is not None:
-        env_kwargs["history"] = args.history
-    new_env, probe = make_env(args.env_id, env_kwargs, args.max_turns)
+    new_env, probe, defaults, env_kwargs = make_env(args)
+    is_tiny = defaults.is_tiny
     eval_max_turns = args.eval_max_turns or args.max_turns
     ood = make_ood_env(args, env_kwargs, eval_max_turns, is_tiny)
     belief_message = belief_message_for(args.belief_template, probe, is_tiny)

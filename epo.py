@@ -689,7 +689,7 @@ def episode_record(tr: Episode, tag: str) -> dict:
     return rec
 
 
-def evaluate(model, tok, make_game, tasks, players, styles, args, real):
+def evaluate(model, tok, new_env, tasks, players, styles, args, real):
     """Two-player: each test task in each role against every scripted style (sampled at eval_temperature
     and greedy), plus self-chat; single-agent: each test task (sampled and greedy). Returns (row, records)."""
     row, records = {}, []
@@ -697,7 +697,7 @@ def evaluate(model, tok, make_game, tasks, players, styles, args, real):
              else [(task, "agent", "") for task in tasks])
 
     def build():
-        return [make_game(task, {p: "policy" if p == role else style for p in players}) for task, role, style in specs]
+        return [new_env(task, {p: "policy" if p == role else style for p in players}) for task, role, style in specs]
     sampled = rollout(model, tok, build(), args, args.eval_temperature, real=real)
     greedy = rollout(model, tok, build(), args, 0.0, greedy=True, real=real)
     for key, v in trajectory_stats(sampled).items():
@@ -717,7 +717,7 @@ def evaluate(model, tok, make_game, tasks, players, styles, args, real):
                 row[f"eval/vs_{style}/{role}/{key}"] = trajectory_stats(sub)[key]
     records += [episode_record(tr, "eval_sampled") for tr in sampled[: args.num_logged_episodes]]
     if styles and args.eval_selfplay:
-        sp = rollout(model, tok, [make_game(task, {p: "policy" for p in players}) for task in tasks], args,
+        sp = rollout(model, tok, [new_env(task, {p: "policy" for p in players}) for task in tasks], args,
                      args.eval_temperature, real=real)
         for key, v in trajectory_stats(sp).items():
             if key in ("goal_score", "deal_rate", "episode_length"):
@@ -848,27 +848,36 @@ def save_adapter(model, run_dir: Path):
 # ----------------------------------------------------------------------------------------------
 # 6. Main loop
 # ----------------------------------------------------------------------------------------------
+def tiny_overrides(env_id):
+    """The tiny policy's recipe overrides: an env whose moves can be strategies (negotiation) is played with
+    `moves="strategy"`, and its tiny policy is built from the expert's strategies in that mode; else None."""
+    import envs
+
+    return {"env_kwargs": {"moves": "strategy"}} if env_id in envs.STRATEGY_MOVES else None
+
+
 def make_env(args):
-    """-> (tiny overrides, policy defaults, env kwargs, make_game(task, seats) -> a reset `envs.Seated`, probe env,
-    two_player). User errors -> UserError."""
+    """The env factory `new_env` (user errors -> UserError), one probe instance, the policy's model-dependent
+    defaults (`policy_defaults`) and the env options. `new_env(task, seats)` builds the env as an `envs.Seated`
+    game with those seats, reset to `task`."""
     import envs
     from common.models import UserError, policy_defaults
 
     if args.env_id not in envs.available():
         raise UserError(f"env {args.env_id!r} is not available in this checkout; available env ids: "
-                        f"{', '.join(envs.available())}")
+                        f"{', '.join(envs.available()) or 'none'}")
     two_player = args.env_id in envs.TWO_PLAYER
     strategy_moves = args.env_id in envs.STRATEGY_MOVES
-    overrides = {"env_kwargs": {"moves": "strategy"}} if strategy_moves else None
-    defaults = policy_defaults(args.model_name, args.env_id, args.tiny_preset, overrides, learning_rate=2e-5,
-                               max_new_tokens=48)
-    env_kwargs = dict(defaults.env_kwargs)
+    # a tiny policy was trained on prompts rendered with its recipe's env options: use the same ones
+    defaults = policy_defaults(args.model_name, args.env_id, args.tiny_preset, tiny_overrides(args.env_id),
+                               learning_rate=2e-5, max_new_tokens=48)
+    kw = dict(defaults.env_kwargs)
     if strategy_moves:
-        env_kwargs["moves"] = "strategy"
+        kw["moves"] = "strategy"
     if args.history is not None:
-        env_kwargs["history"] = args.history
+        kw["history"] = args.history
     try:
-        probe = envs.make(args.env_id, **env_kwargs)
+        probe = envs.make(args.env_id, **kw)
         probe.reset(probe.task_ids("test")[0])
     except ValueError as e:
         raise UserError(f"env {args.env_id!r}: {e}") from None
@@ -883,10 +892,10 @@ def make_env(args):
         raise UserError(f"--train-opponent must be 'self', 'rule:any' or 'rule:<style>' with a style in "
                         f"{', '.join(styles)}; got {args.train_opponent!r}")
 
-    def make_game(task, seats):
-        return envs.Seated(envs.make(args.env_id, **env_kwargs), seats).reset(task)
+    def new_env(task, seats):
+        return envs.Seated(envs.make(args.env_id, **kw), seats).reset(task)
 
-    return overrides, defaults, env_kwargs, make_game, probe, two_player
+    return new_env, probe, defaults, kw
 
 
 def check_args(args):
@@ -900,7 +909,7 @@ def check_args(args):
         raise UserError("--micro-batch-size and --trajectories-per-step must be >= 1, --eval-num-tasks >= 0")
 
 
-def training_games(make_game, tasks, players, styles, args, rng):
+def training_games(new_env, tasks, players, styles, args, rng):
     """One game per task, with its seats: the policy in every seat (a single-agent env's one seat, or
     self-chat with `--train-opponent self`), or the policy in one role, alternating, against a scripted
     style (`rule:<style>`; `rule:any` draws one per game)."""
@@ -911,7 +920,7 @@ def training_games(make_game, tasks, players, styles, args, rng):
             style = args.train_opponent.split(":", 1)[1]
             style = styles[int(rng.integers(len(styles)))] if style == "any" else style
             seats.update({p: style for p in players if p != players[n % len(players)]})
-        games.append(make_game(task, seats))
+        games.append(new_env(task, seats))
     return games
 
 
@@ -924,6 +933,7 @@ def seed_everything(seed):
 
 
 def main(args: Args):
+    import envs
     from common.models import load_policy
 
     t_start = time.time()
@@ -932,7 +942,8 @@ def main(args: Args):
     check_args(args)
     rng = seed_everything(args.seed)
 
-    overrides, defaults, env_kwargs, make_game, probe, two_player = make_env(args)
+    new_env, probe, defaults, env_kwargs = make_env(args)
+    two_player = args.env_id in envs.TWO_PLAYER
     is_tiny = defaults.is_tiny
     players = list(probe.players) if two_player else ["agent"]
     styles = list(probe.opponent_styles()) if two_player else []
@@ -951,13 +962,13 @@ def main(args: Args):
     model, tok = load_policy(args.model_name, env_id=args.env_id, tiny_preset=args.tiny_preset,
                              load_in_4bit=args.load_in_4bit, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
                              lora_dropout=args.lora_dropout, activation_checkpointing=args.activation_checkpointing,
-                             tiny_overrides=overrides if args.model_name == "tiny" else None)
+                             tiny_overrides=tiny_overrides(args.env_id) if args.model_name == "tiny" else None)
 
     run_dir, logger = start_run(args, {"resolved_learning_rate": lr, "env_kwargs": env_kwargs})
 
     def run_eval(it):
         t0 = time.time()
-        row, records = evaluate(model, tok, make_game, test_tasks, players, styles, args, not is_tiny)
+        row, records = evaluate(model, tok, new_env, test_tasks, players, styles, args, not is_tiny)
         row["perf/eval_seconds"] = time.time() - t0
         logger.log_samples(it, records)
         return row
@@ -974,7 +985,7 @@ def main(args: Args):
         t0 = time.time()
         pick = rng.choice(len(train_tasks), size=args.episodes_per_iteration,
                           replace=len(train_tasks) < args.episodes_per_iteration)
-        games = training_games(make_game, [train_tasks[int(i)] for i in pick], players, styles, args, rng)
+        games = training_games(new_env, [train_tasks[int(i)] for i in pick], players, styles, args, rng)
         episodes = rollout(model, tok, games, args, args.temperature, first_traj_id=next_id, real=not is_tiny)
         next_id += len(episodes)
         t_roll = time.time() - t0

@@ -372,3 +372,18 @@ def test_user_errors_are_one_clear_line(tiny_cache, tmp_path, flags, words):
     assert "Traceback" not in proc.stderr and "error:" in proc.stderr, proc.stderr[-2000:]
     for w in words:
         assert w in proc.stderr
+
+
+def test_make_env_gives_seated_games_and_a_bare_probe():
+    import envs
+
+    new_env, probe, defaults, kw = aria.make_env(aria.Args(tiny_preset="micro", history=2))
+    assert not isinstance(probe, envs.Seated) and defaults.is_tiny and kw["history"] == 2
+    game = new_env()  # default seats: self-play
+    assert isinstance(game, envs.Seated) and set(game.seats.values()) == {"policy"}
+    p0, p1 = probe.players
+    style = probe.opponent_styles()[0]
+    assert new_env({p0: "policy", p1: style}).seats == {p0: "policy", p1: style}
+    new_env, _, _, _ = aria.make_env(aria.Args(tiny_preset="micro", env_id="twenty_questions", max_turns=3))
+    game = new_env()
+    assert game.players == ("agent",) and game.env.max_turns == 3

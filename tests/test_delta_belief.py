@@ -250,3 +250,17 @@ def test_minibatches_keep_whole_games_for_starpo():
     split = [db.minibatches(trajs, 2, np.random.default_rng(s), whole_games=False) for s in range(20)]
     assert all(sorted(i for p in parts for i in p) == list(range(8)) for parts in split)
     assert any({trajs[i] for i in parts[0]} & {trajs[i] for i in parts[1]} for parts in split)  # turns shuffled
+
+
+def test_make_env_returns_the_factory_a_probe_the_defaults_and_the_env_options():
+    from common.models import UserError
+
+    args = db.Args(tiny_preset="micro", history=2, max_turns=3, eval_env_id="guess_my_city", eval_num_tasks=2)
+    new_env, probe, defaults, kw = db.make_env(args)
+    env = new_env()
+    assert env is not probe and env.max_turns == 3 and probe.target and kw["history"] == 2
+    assert defaults.is_tiny and defaults.learning_rate == 1e-4  # the tiny learning rate delta_belief passes
+    new_ood_env, ood_tasks, _ = db.make_ood_env(args, kw, 3, defaults.is_tiny)
+    assert new_ood_env().max_turns == 3 and len(ood_tasks) == 2
+    with pytest.raises(UserError, match="--eval-env-id 'sokoban' has no hidden target"):
+        db.make_ood_env(db.Args(tiny_preset="micro", eval_env_id="sokoban"), kw, 3, True)

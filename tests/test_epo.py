@@ -259,3 +259,16 @@ def test_instruct_strategist_sees_its_own_earlier_strategies():
     assert last.endswith("Your earlier strategies in this game: 1. Open low; 2. Concede a little")
     tiny = epo.strategist_messages(game, p, ["Open low"], real=False)
     assert "earlier strategies" not in tiny[-1]["content"] and tiny == game.observe(p)  # its trained format
+
+
+def test_make_env_gives_reset_seated_games():
+    import envs
+
+    new_env, probe, defaults, kw = epo.make_env(epo.Args(tiny_preset="micro"))
+    assert kw["moves"] == "strategy" and defaults.is_tiny
+    assert epo.tiny_overrides("negotiation") == {"env_kwargs": {"moves": "strategy"}}
+    assert epo.tiny_overrides("sokoban") is None
+    task = probe.task_ids("test")[0]
+    p0, p1 = probe.players
+    game = new_env(task, {p0: "policy", p1: probe.opponent_styles()[0]})
+    assert isinstance(game, envs.Seated) and game.task_id == task and game.current_player == p0
