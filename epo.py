@@ -141,6 +141,8 @@ class Args:
     """rule PRM: at most this many critical turns per trajectory"""
     prm_min_gain: float = 1e-6
     """rule PRM: a turn is critical only if its progress gain exceeds this"""
+    prm_min_final: float = 0.0
+    """rule PRM: no critical turn in a game whose final progress (Negotiation: goal score / 10) is below this"""
     prm_temperature: float = 0.7
     """LLM PRM sampling temperature (official: 0.7)"""
     prm_max_new_tokens: Optional[int] = None
@@ -210,17 +212,19 @@ def epo_loss(token_logps, mask, turn_weights):
     return -(w * turn_mean).sum() / T
 
 
-def rule_critical_turns(progress, k=2, min_gain=1e-6):
+def rule_critical_turns(progress, k=2, min_gain=1e-6, min_final=0.0):
     """PRM stand-in: the (at most) k turns with the largest progress gain above `min_gain`.
 
         gain_t = progress[t + 1] - progress[t]     (progress[t]: before turn t; progress[T]: at the end)
 
-    Ties go to the earlier turn. Returns length-T bools.
+    Ties go to the earlier turn. With `min_final` > 0, a game that ends below it (progress[T] < min_final)
+    has no critical turn: the paper's PRM is shown the outcome and picks the turns that were important
+    for achieving the goal. Returns length-T bools.
     """
     p = np.asarray(progress, dtype=np.float64).reshape(-1)
     T = max(len(p) - 1, 0)
     crit = np.zeros(T, dtype=bool)
-    if T == 0 or k <= 0:
+    if T == 0 or k <= 0 or p[-1] < min_final:
         return crit
     gain = np.diff(p)
     for t in sorted(range(T), key=lambda i: (-gain[i], i))[:k]:
@@ -350,7 +354,8 @@ def compute_advantages(episodes, args):
     by `llm_prm` before this call), then `epo_turn_weights` (all ones with --weights ones, EPO-SFT)."""
     for ep in episodes:
         if args.prm == "rule":
-            ep.critical = rule_critical_turns(ep.progress, args.prm_top_k, args.prm_min_gain).tolist()
+            ep.critical = rule_critical_turns(ep.progress, args.prm_top_k, args.prm_min_gain,
+                                              args.prm_min_final).tolist()
         elif args.prm == "none":
             ep.critical = [False] * ep.length
         if args.weights == "ones":
@@ -907,6 +912,8 @@ def check_args(args):
         raise UserError("--gamma must be in (0, 1]")
     if args.micro_batch_size < 1 or args.trajectories_per_step < 1 or args.eval_num_tasks < 0:
         raise UserError("--micro-batch-size and --trajectories-per-step must be >= 1, --eval-num-tasks >= 0")
+    if not 0.0 <= args.prm_min_final <= 1.0:
+        raise UserError("--prm-min-final must be in [0, 1] (the env's progress scale)")
 
 
 def training_games(new_env, tasks, players, styles, args, rng):

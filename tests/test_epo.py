@@ -139,6 +139,12 @@ def test_rule_prm_top_k_progress_gains():
     # no positive gain, or no turn
     assert not epo.rule_critical_turns([0.5, 0.5, 0.0], k=2).any()
     assert epo.rule_critical_turns([0.3], k=2).shape == (0,)
+    # min_final: the same game (final progress 0.6) keeps its critical turns at 0.6 and loses all at 0.61
+    assert epo.rule_critical_turns(p, k=2, min_final=0.6).tolist() == [False, False, True, False, True]
+    assert not epo.rule_critical_turns(p, k=2, min_final=0.61).any()
+    # a game without a deal ends at progress 0: nothing is critical once min_final > 0
+    assert epo.rule_critical_turns([0.0, 0.4, 0.7, 0.0], k=2).tolist() == [True, True, False]
+    assert not epo.rule_critical_turns([0.0, 0.4, 0.7, 0.0], k=2, min_final=0.1).any()
 
 
 def test_prm_answer_valid_forms():
@@ -241,6 +247,7 @@ def test_end_to_end_single_agent_thought_strategist(run_method):
     (["--env-id", "sokoban", "--agent", "rule"], ["--agent rule", "--agent base"]),
     (["--train-opponent", "rule:nobody"], ["--train-opponent", "tough"]),
     (["--env-id", "no_such_env"], ["no_such_env", "negotiation"]),
+    (["--prm-min-final", "1.5"], ["--prm-min-final", "[0, 1]"]),
 ])
 def test_user_errors_are_one_clear_line(tiny_cache, flags, words):
     proc = subprocess.run([sys.executable, str(REPO / "epo.py"), "--tiny-preset", "micro", *flags], cwd=REPO,
