@@ -710,6 +710,22 @@ def _is_complete(path: Path) -> bool:
     return (path / "tiny_meta.json").is_file() and (path / "config.json").is_file()
 
 
+@contextlib.contextmanager
+def _global_rng_kept():
+    """Restore the global python, numpy and torch (CPU and CUDA) RNG states on exit, so that a run which
+    builds its tiny policy first draws the same numbers as a run that finds it cached."""
+    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
 def ensure_tiny(env_id: str, preset: str = "default", cache_dir: Optional[os.PathLike] = None,
                 progress: bool = True, force: bool = False, overrides: Optional[dict] = None) -> Path:
     """Return the checkpoint dir of the tiny policy of `env_id`, building it first if it is not cached.
@@ -731,7 +747,8 @@ def ensure_tiny(env_id: str, preset: str = "default", cache_dir: Optional[os.Pat
         if progress:
             print(f"building the tiny {preset} policy of {env_id} into {final}", file=sys.stderr)
         try:
-            build_tiny(env_id, recipe, tmp, progress)
+            with _global_rng_kept():  # the build seeds the global RNGs; the caller's run must not see it
+                build_tiny(env_id, recipe, tmp, progress)
             if final.exists():
                 trash = Path(tempfile.mkdtemp(prefix=f".old-{final.name}-", dir=root))
                 os.replace(final, trash / "old")

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import random
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -216,6 +218,19 @@ def test_second_call_is_cache_hit(micro_sokoban, monkeypatch):
     again = tiny.ensure_tiny("sokoban", "micro", cache_dir=cache, progress=False)
     assert again == path and time.time() - t0 < 5.0
     assert (path / "tiny_meta.json").stat().st_mtime_ns == stamp
+
+
+@needs_sokoban
+def test_build_leaves_the_callers_random_state_alone(tmp_path):
+    # a run that builds its tiny policy must draw what a run with a cached one draws (same seed)
+    def draws():
+        return random.random(), float(np.random.rand()), float(torch.rand(1))
+
+    random.seed(7), np.random.seed(7), torch.manual_seed(7)
+    expected = draws()
+    random.seed(7), np.random.seed(7), torch.manual_seed(7)
+    tiny.ensure_tiny("sokoban", "micro", cache_dir=tmp_path, progress=False)
+    assert draws() == expected
 
 
 @needs_sokoban
