@@ -11,9 +11,10 @@ with model.disable_adapter():                                      # the referen
 
 What `load_policy` does, in order:
 
-1. Resolve the model: `"tiny"` -> `common.tiny.ensure_tiny(env_id, preset)` (built once, cached); an
-   existing directory -> loaded from there; anything else -> a Hugging Face hub id (downloaded or taken
-   from the local HF cache). A model that cannot be found or downloaded is a `UserError` with one line
+1. Resolve the model: `"tiny"` -> `common.tiny.ensure_tiny(env_id, preset)` (the shipped weights in
+   common/weights, checked against their checksums; a recipe the project does not ship is built once
+   and cached); an existing directory -> loaded from there; anything else -> a Hugging Face hub id
+   (downloaded or taken from the local HF cache). A model that cannot be found or downloaded is a `UserError` with one line
    that says what to do.
 2. Precision: `load_in_4bit=None` means 4-bit on CUDA (nf4, double quantization, bf16 compute and bf16
    for the parts that stay unquantized: embeddings, norms, lm_head) and plain fp32 weights on CPU.
@@ -136,7 +137,10 @@ def _resolve(name: str, env_id: Optional[str], tiny_preset: str,
             tiny.full_recipe(env_id, tiny_preset, tiny_overrides)
         except (ValueError, TypeError) as e:
             raise UserError(f"tiny policy: {_first_line(e)}") from None
-        return str(tiny.ensure_tiny(env_id, preset=tiny_preset, overrides=tiny_overrides)), True
+        try:  # the shipped weights (checked against their checksums), else the cache, else a build
+            return str(tiny.ensure_tiny(env_id, preset=tiny_preset, overrides=tiny_overrides)), True
+        except tiny.ShippedWeightsError as e:
+            raise UserError(str(e)) from None
     path = Path(name).expanduser()
     if path.is_dir():
         return str(path), True

@@ -726,19 +726,103 @@ def _global_rng_kept():
             torch.cuda.set_rng_state_all(cuda)
 
 
-def ensure_tiny(env_id: str, preset: str = "default", cache_dir: Optional[os.PathLike] = None,
-                progress: bool = True, force: bool = False, overrides: Optional[dict] = None) -> Path:
-    """Return the checkpoint dir of the tiny policy of `env_id`, building it first if it is not cached.
+# ----------------------------------------------------------------------------------------------
+# Shipped weights
+# ----------------------------------------------------------------------------------------------
+# The tiny policies the project ships: every testbed a method script uses by default or documents.
+# name -> (env id, recipe overrides). The name is what `python -m common.tiny --testbed` takes.
+TESTBEDS: dict[str, tuple[str, Optional[dict]]] = {
+    "sokoban": ("sokoban", None),
+    "twenty_questions": ("twenty_questions", None),
+    "guess_my_city": ("guess_my_city", None),
+    "bargaining": ("bargaining", None),
+    "negotiation": ("negotiation", None),
+    "negotiation_strategist": ("negotiation", {"env_kwargs": {"moves": "strategy"}}),  # EPO's strategist
+    "webshop": ("webshop", None),
+    "alfworld": ("alfworld", None),
+}
 
-    The build writes into a temporary directory next to the target and renames it into place, under a
-    file lock, so a killed build never leaves a partial checkpoint and two processes build it once.
-    Unknown env id or preset -> ValueError (one line that lists the known ones).
+SHIPPED_DIR = Path(__file__).resolve().parent / "weights"  # <name>/ per policy, and MANIFEST.json
+MANIFEST = "MANIFEST.json"
+# The files of a checkpoint that a load reads (and the manifest checks); anything else is not shipped.
+SHIPPED_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                 "tokenizer_config.json", "tiny_meta.json")
+
+
+class ShippedWeightsError(ValueError):
+    """A shipped tiny policy is listed in the manifest but a file is missing or its checksum differs."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_manifest(shipped_dir: Optional[os.PathLike] = None) -> dict:
+    """The manifest of the shipped policies ({"policies": {dir name: entry}}; empty if there is none)."""
+    path = Path(shipped_dir or SHIPPED_DIR) / MANIFEST
+    if not path.is_file():
+        return {"policies": {}}
+    return json.loads(path.read_text())
+
+
+def verify_shipped(name: str, shipped_dir: Optional[os.PathLike] = None) -> Path:
+    """Check every file of the shipped policy `name` against the manifest's SHA-256; return its directory.
+
+    A missing file or a checksum that differs -> ShippedWeightsError, one line that says what to do.
+    """
+    root = Path(shipped_dir or SHIPPED_DIR)
+    entry = read_manifest(root)["policies"][name]
+    fix = (f"restore it with `git checkout -- {root.name}/{name}` (common/weights in this repository), or "
+           f"rebuild with `python -m common.tiny --testbed {entry.get('testbed', entry['env_id'])} --build --ship`")
+    for fname, info in entry["files"].items():
+        path = root / name / fname
+        if not path.is_file():
+            raise ShippedWeightsError(f"shipped tiny policy {name}: {fname} is missing; {fix}")
+        digest = _sha256(path)
+        if digest != info["sha256"]:
+            raise ShippedWeightsError(f"shipped tiny policy {name}: {fname} has SHA-256 {digest[:12]}..., the "
+                                      f"manifest says {info['sha256'][:12]}... (corrupted or edited); {fix}")
+    return root / name
+
+
+def shipped_path(env_id: str, preset: str = "default", overrides: Optional[dict] = None,
+                 shipped_dir: Optional[os.PathLike] = None) -> Optional[Path]:
+    """The verified shipped checkpoint of this recipe, or None when the project ships none for it."""
+    name = f"{env_id}__{preset}__{recipe_hash(full_recipe(env_id, preset, overrides))}"
+    if name not in read_manifest(shipped_dir)["policies"]:
+        return None
+    return verify_shipped(name, shipped_dir)
+
+
+def ensure_tiny(env_id: str, preset: str = "default", cache_dir: Optional[os.PathLike] = None,
+                progress: bool = True, force: bool = False, overrides: Optional[dict] = None,
+                shipped: bool = True) -> Path:
+    """Return the checkpoint dir of the tiny policy of `env_id`: the shipped one (common/weights, checked
+    against its checksums) when the project ships this recipe, else the cached build, building it first.
+
+    A shipped policy whose files are missing or corrupted raises ShippedWeightsError (never a silent
+    rebuild). `force` rebuilds into the cache; `shipped=False` ignores the shipped weights (both are for
+    maintainers: `python -m common.tiny --build`). The build writes into a temporary directory next to
+    the target and renames it into place, under a file lock, so a killed build never leaves a partial
+    checkpoint and two processes build it once. Unknown env id or preset -> ValueError (one line that
+    lists the known ones).
     """
     recipe = full_recipe(env_id, preset, overrides)
+    if shipped and not force:
+        ship = shipped_path(env_id, preset, overrides)
+        if ship is not None:
+            return ship
     root = cache_root(cache_dir)
     final = root / f"{env_id}__{preset}__{recipe_hash(recipe)}"
     if _is_complete(final) and not force:
         return final
+    if progress and preset != "micro":
+        print(f"no shipped weights for the tiny {preset} policy of {env_id} (recipe {recipe_hash(recipe)}): "
+              f"building it once, minutes on a CPU (docs/tiny.md)", file=sys.stderr)
     root.mkdir(parents=True, exist_ok=True)
     with _file_lock(root / f".{final.name}.lock"):
         if _is_complete(final) and not force:
@@ -768,31 +852,194 @@ def read_meta(path: os.PathLike) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
+# Greedy check and shipping (maintainers)
+# ----------------------------------------------------------------------------------------------
+CHECK_EPISODES = 3  # greedy episodes recorded per shipped policy
+CHECK_MIN_GAP = 0.05  # a recorded episode's every greedy token wins by at least this logit margin
+
+
+@torch.no_grad()
+def greedy_episode(model, tok, env, task: str, max_new_tokens: int) -> dict:
+    """One greedy episode, one prompt at a time: its actions, success and the smallest logit margin (top
+    token minus runner-up) of any generated token. A margin well above float rounding means another CPU
+    plays the same episode."""
+    env.reset(task)
+    actions, gap, step = [], float("inf"), None
+    for _ in range(max(1, env.max_turns) + 50):  # invalid moves of two-player games repeat the turn
+        enc = tok(render_prompt(tok, env.messages()), return_tensors="pt", add_special_tokens=False)
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, eos_token_id=tok.eos_token_id,
+                             pad_token_id=tok.pad_token_id, output_scores=True, return_dict_in_generate=True,
+                             **GREEDY_KWARGS)
+        for scores in out.scores:
+            top2 = torch.topk(scores[0].float(), 2).values
+            gap = min(gap, float(top2[0] - top2[1]))
+        text = tok.decode(out.sequences[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        actions.append(text)
+        step = env.step(text)
+        if step.done:
+            break
+    return dict(task=task, actions=actions, success=bool(step is not None and step.info.get("success")),
+                min_gap=round(gap, 4))
+
+
+def _check_env(env_id: str, env_kwargs: dict, role: Optional[str]):
+    import envs
+
+    env = envs.make(env_id, **env_kwargs)
+    return envs.vs_opponent(env, "rule:fair", learner=role) if role else env
+
+
+def record_greedy_check(path: os.PathLike, n: int = CHECK_EPISODES, min_gap: float = CHECK_MIN_GAP,
+                        scan: int = 40) -> list[dict]:
+    """Up to `n` greedy test episodes of the policy at `path` whose every token wins by `min_gap` (from the
+    first `scan` test tasks; two-player games: both roles against the scripted fair style, alternating)."""
+    import envs
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    meta = read_meta(path)
+    recipe = meta["recipe"]
+    env_id = meta["env_id"]
+    model = AutoModelForCausalLM.from_pretrained(str(path)).eval()
+    tok = AutoTokenizer.from_pretrained(str(path))
+    probe = envs.make(env_id, **recipe["env_kwargs"])
+    tasks = list(probe.task_ids("test"))[:scan]
+    roles = list(probe.players) if env_id in envs.TWO_PLAYER else [None]
+    chosen = []
+    for i, task in enumerate(tasks):
+        role = roles[i % len(roles)]
+        ep = greedy_episode(model, tok, _check_env(env_id, recipe["env_kwargs"], role), task,
+                            recipe["max_new_tokens"])
+        if ep["min_gap"] >= min_gap:
+            chosen.append(dict(role=role, **ep))
+        if len(chosen) == n:
+            break
+    return chosen
+
+
+def replay_greedy_check(path: os.PathLike, check: list[dict]) -> list[str]:
+    """Play the recorded greedy episodes again; returns one line per episode that differs (none: all equal)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    meta = read_meta(path)
+    recipe = meta["recipe"]
+    model = AutoModelForCausalLM.from_pretrained(str(path)).eval()
+    tok = AutoTokenizer.from_pretrained(str(path))
+    diffs = []
+    for rec in check:
+        ep = greedy_episode(model, tok, _check_env(meta["env_id"], recipe["env_kwargs"], rec.get("role")),
+                            rec["task"], recipe["max_new_tokens"])
+        if ep["actions"] != rec["actions"] or ep["success"] != rec["success"]:
+            diffs.append(f"task {rec['task']} (role {rec.get('role')}): played {ep['actions']} "
+                         f"(success {ep['success']}), recorded {rec['actions']} (success {rec['success']})")
+    return diffs
+
+
+def ship(testbed: str, cache_dir: Optional[os.PathLike] = None, shipped_dir: Optional[os.PathLike] = None,
+         progress: bool = True) -> Path:
+    """Copy the cached build of `testbed` into the shipped weights (building it if it is not cached), with
+    the SHA-256 of every file and a greedy check in the manifest; older shipped builds of the same testbed
+    are removed. For maintainers after a recipe change (docs/tiny.md, "Updating the shipped weights")."""
+    env_id, overrides = TESTBEDS[testbed]
+    root = Path(shipped_dir or SHIPPED_DIR)
+    built = ensure_tiny(env_id, "default", cache_dir, progress=progress, overrides=overrides, shipped=False)
+    name = built.name
+    root.mkdir(parents=True, exist_ok=True)
+    manifest = read_manifest(root)
+    for old in [k for k, v in manifest["policies"].items() if v.get("testbed") == testbed and k != name]:
+        shutil.rmtree(root / old, ignore_errors=True)
+        del manifest["policies"][old]
+    target = root / name
+    if target.exists():
+        shutil.rmtree(target)
+    target.mkdir()
+    for fname in SHIPPED_FILES:
+        if not (built / fname).is_file():
+            raise ValueError(f"the build at {built} has no {fname}")
+        shutil.copyfile(built / fname, target / fname)
+    meta = read_meta(target)
+    files = {f: {"sha256": _sha256(target / f), "bytes": (target / f).stat().st_size} for f in SHIPPED_FILES}
+    manifest["policies"][name] = dict(
+        testbed=testbed, env_id=env_id, preset="default", recipe_hash=meta["recipe_hash"], overrides=overrides,
+        success=dict(greedy=meta["success"]["greedy"]["success"], sampled=meta["success"]["sampled"]["success"],
+                     test_tasks=meta["success"]["test_tasks"], opponent=meta["success"].get("opponent")),
+        bytes=sum(f["bytes"] for f in files.values()), files=files, greedy_check=record_greedy_check(target))
+    manifest["policies"] = dict(sorted(manifest["policies"].items()))
+    manifest["format"] = ("one directory per policy, named <env>__<preset>__<recipe hash>: the fp32 weights "
+                          "(model.safetensors), config, tokenizer and tiny_meta.json of the build, unchanged")
+    (root / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    return target
+
+
+# ----------------------------------------------------------------------------------------------
 # Command line
 # ----------------------------------------------------------------------------------------------
+def _describe(path: Path) -> str:
+    meta = read_meta(path)
+    s = meta["success"]
+    return (f"{meta['env_id']} [{meta['preset']}]: success on {s['test_tasks']} test tasks "
+            f"greedy {s['greedy']['success']:.3f}, sampled (T=1) {s['sampled']['success']:.3f}"
+            + (f" vs {s['opponent']}" if "opponent" in s else "") + f"; built in {meta['build_seconds']:.0f} s")
+
+
 def main(argv: Optional[list[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m common.tiny", description="Build (or find) the tiny policy of an env.")
-    parser.add_argument("--env-id", required=True, help="env id, e.g. sokoban or twenty_questions")
+    parser = argparse.ArgumentParser(
+        prog="python -m common.tiny",
+        description="Find (shipped, else cached, else built) the tiny policy of an env; maintainers rebuild and "
+                    "ship with --build/--ship and check the shipped weights with --check (docs/tiny.md).")
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--env-id", help="env id, e.g. sokoban or twenty_questions (its plain recipe)")
+    which.add_argument("--testbed", help=f"a shipped testbed: {', '.join(TESTBEDS)}, or 'all'")
     parser.add_argument("--preset", default="default", help=f"size preset: {', '.join(PRESETS)}")
     parser.add_argument("--cache-dir", default=None, help="cache root (default $CREDIT_TINY_CACHE or ~/.cache/credit_assignment/tiny)")
-    parser.add_argument("--force", action="store_true", help="rebuild even if a cached checkpoint exists")
+    parser.add_argument("--build", action="store_true", help="build into the cache even if the weights are shipped")
+    parser.add_argument("--force", action="store_true", help="rebuild even if a cached build exists (implies --build)")
+    parser.add_argument("--ship", action="store_true", help="copy the build into common/weights and its manifest")
+    parser.add_argument("--check", action="store_true", help="check the shipped weights' checksums and greedy episodes")
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
-    try:
-        path = ensure_tiny(args.env_id, args.preset, args.cache_dir, progress=not args.no_progress, force=args.force)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+    if args.testbed is not None:
+        names = list(TESTBEDS) if args.testbed == "all" else [args.testbed]
+        if any(n not in TESTBEDS for n in names):
+            print(f"error: unknown testbed {args.testbed!r}; testbeds: {', '.join(TESTBEDS)}, all", file=sys.stderr)
+            sys.exit(2)
+        jobs = [(n, *TESTBEDS[n]) for n in names]
+    else:
+        name = args.env_id if TESTBEDS.get(args.env_id, (None, 1))[1] is None else None
+        jobs = [(name, args.env_id, None)]
+    if (args.ship or args.check) and (args.preset != "default" or any(n is None for n, _, _ in jobs)):
+        print("error: --ship and --check take a shipped testbed (--testbed NAME or all) and the default preset",
+              file=sys.stderr)
         sys.exit(2)
-    meta = read_meta(path)
-    s = meta["success"]
-    print(path)
-    print(f"{meta['env_id']} [{meta['preset']}]: success on {s['test_tasks']} test tasks "
-          f"greedy {s['greedy']['success']:.3f}, sampled (T=1) {s['sampled']['success']:.3f}"
-          + (f" vs {s['opponent']}" if "opponent" in s else "")
-          + f"; built in {meta['build_seconds']:.0f} s")
+    failed = False
+    for name, env_id, overrides in jobs:
+        try:
+            if args.ship:
+                path = ship(name, args.cache_dir, progress=not args.no_progress)
+                print(f"shipped {path}")
+            elif args.check:
+                path = shipped_path(env_id, "default", overrides)
+                if path is None:
+                    raise ShippedWeightsError(f"testbed {name}: no shipped weights for its current recipe; "
+                                              f"`python -m common.tiny --testbed {name} --ship` ships them")
+                diffs = replay_greedy_check(path, read_manifest()["policies"][path.name]["greedy_check"])
+                print(f"{path.name}: checksums ok, greedy check " + ("ok" if not diffs else "DIFFERS"))
+                for d in diffs:
+                    print(f"  {d}")
+                failed |= bool(diffs)
+                continue
+            else:
+                path = ensure_tiny(env_id, args.preset, args.cache_dir, progress=not args.no_progress,
+                                   force=args.force, overrides=overrides, shipped=not (args.build or args.force))
+                print(path)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+        print(_describe(path))
+    if failed:
+        sys.exit(1)
 
 
 if __name__ == "__main__":
