@@ -742,7 +742,8 @@ TESTBEDS: dict[str, tuple[str, Optional[dict]]] = {
     "alfworld": ("alfworld", None),
 }
 
-SHIPPED_DIR = Path(__file__).resolve().parent / "weights"  # <name>/ per policy, and MANIFEST.json
+# <name>/ per policy and MANIFEST.json; $CREDIT_TINY_WEIGHTS points elsewhere (tests, a copy of the weights)
+SHIPPED_DIR = Path(os.environ.get("CREDIT_TINY_WEIGHTS") or Path(__file__).resolve().parent / "weights")
 MANIFEST = "MANIFEST.json"
 # The files of a checkpoint that a load reads (and the manifest checks); anything else is not shipped.
 SHIPPED_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
@@ -776,8 +777,11 @@ def verify_shipped(name: str, shipped_dir: Optional[os.PathLike] = None) -> Path
     """
     root = Path(shipped_dir or SHIPPED_DIR)
     entry = read_manifest(root)["policies"][name]
-    fix = (f"restore it with `git checkout -- {root.name}/{name}` (common/weights in this repository), or "
-           f"rebuild with `python -m common.tiny --testbed {entry.get('testbed', entry['env_id'])} --build --ship`")
+    where = root / name
+    with contextlib.suppress(ValueError):
+        where = where.relative_to(Path(__file__).resolve().parent.parent)
+    fix = (f"restore it with `git checkout -- {where}`, or rebuild and ship it with "
+           f"`python -m common.tiny --testbed {entry.get('testbed', entry['env_id'])} --ship` (docs/tiny.md)")
     for fname, info in entry["files"].items():
         path = root / name / fname
         if not path.is_file():
