@@ -51,6 +51,9 @@ from typing import Optional, Sequence, Union
 import torch
 
 logger = logging.getLogger(__name__)
+# On a CPU with AVX512-BF16, importing bitsandbytes (peft does) warns that an optional kernel package from
+# a model hub is missing; bitsandbytes then uses its own CPU kernels, so the line is noise on every run.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 __all__ = ["UserError", "load_policy", "add_adapter", "lora_state", "set_num_threads_for_cpu",
            "disable_cpu_weight_repacking"]

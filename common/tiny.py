@@ -745,9 +745,8 @@ TESTBEDS: dict[str, tuple[str, Optional[dict]]] = {
 # <name>/ per policy and MANIFEST.json; $CREDIT_TINY_WEIGHTS points elsewhere (tests, a copy of the weights)
 SHIPPED_DIR = Path(os.environ.get("CREDIT_TINY_WEIGHTS") or Path(__file__).resolve().parent / "weights")
 MANIFEST = "MANIFEST.json"
-# The files of a checkpoint that a load reads (and the manifest checks); anything else is not shipped.
-SHIPPED_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                 "tokenizer_config.json", "tiny_meta.json")
+# Every file of a build is shipped and checked; a build without these is not a checkpoint.
+SHIPPED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "tiny_meta.json")
 
 
 class ShippedWeightsError(ValueError):
@@ -956,12 +955,14 @@ def ship(testbed: str, cache_dir: Optional[os.PathLike] = None, shipped_dir: Opt
     if target.exists():
         shutil.rmtree(target)
     target.mkdir()
-    for fname in SHIPPED_FILES:
-        if not (built / fname).is_file():
-            raise ValueError(f"the build at {built} has no {fname}")
+    missing = [f for f in SHIPPED_FILES if not (built / f).is_file()]
+    if missing:
+        raise ValueError(f"the build at {built} has no {', '.join(missing)}")
+    names = sorted(p.name for p in built.iterdir() if p.is_file())
+    for fname in names:
         shutil.copyfile(built / fname, target / fname)
     meta = read_meta(target)
-    files = {f: {"sha256": _sha256(target / f), "bytes": (target / f).stat().st_size} for f in SHIPPED_FILES}
+    files = {f: {"sha256": _sha256(target / f), "bytes": (target / f).stat().st_size} for f in names}
     manifest["policies"][name] = dict(
         testbed=testbed, env_id=env_id, preset="default", recipe_hash=meta["recipe_hash"], overrides=overrides,
         success=dict(greedy=meta["success"]["greedy"]["success"], sampled=meta["success"]["sampled"]["success"],
