@@ -197,12 +197,12 @@ def resolve_policies(script: str, flag_sets: list[list[str]]) -> list[dict]:
     """For each flag list, the policy the script will load: parses the flags with the script's own `Args`
     (a bad flag -> UsageError, before any run starts) and, for a tiny policy, makes sure it is built
     (once, here, so that no run's wall time includes a build) and describes it. One subprocess for all."""
+    print(f"checking the flags and the policy of {script}.py (a tiny policy not built yet is built now)", flush=True)
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--resolve-policies", script,
-                           json.dumps(flag_sets)], cwd=REPO, capture_output=True, text=True)
+                           json.dumps(flag_sets)], cwd=REPO, stdout=subprocess.PIPE, text=True)  # stderr: build progress
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
-        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
-        raise UsageError(f"could not resolve the policy of {script}.py (exit {proc.returncode}):\n{tail}")
+        raise UsageError(f"could not resolve the policy of {script}.py (exit {proc.returncode}; its output is above)")
     out = json.loads(lines[-1])
     for flags, res in zip(flag_sets, out):
         if "error" in res:
@@ -407,7 +407,7 @@ def main(argv: list[str]) -> int:
     bar.close()
     if not keep and not failed:
         shutil.rmtree(scratch, ignore_errors=True)
-    print(f"{args.bench}: {written} runs written to {out}, {skipped} skipped, {len(failed)} failed")
+    print(f"{args.bench}: {written} written to {out}, {skipped} skipped, {len(failed)} failed")
     if failed:
         print("FAILED runs (not written; their logs are under " + str(scratch) + "):\n"
               + "\n".join(f"  {j.variant} seed {j.seed}: {j.command}" for j in failed), file=sys.stderr)

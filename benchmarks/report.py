@@ -326,19 +326,22 @@ class MarkerError(Exception):
     pass
 
 
+MARKER = re.compile(r"^<!-- (/?)results:([\w-]+) -->$", re.M)  # a marker is a line of its own
+
+
 def replace_block(text: str, key: str, body: str) -> str | None:
-    """`text` with the lines between `<!-- results:KEY -->` and `<!-- /results:KEY -->` replaced by `body`
-    (the marker lines and everything else unchanged); None if the opening marker is not there. An opening
-    marker without its closing one, or a marker given twice, raises MarkerError."""
-    start, end = f"<!-- results:{key} -->", f"<!-- /results:{key} -->"
-    n_start, n_end = text.count(start), text.count(end)
-    if n_start == 0 and n_end == 0:
+    """`text` with the lines between the marker lines `<!-- results:KEY -->` and `<!-- /results:KEY -->`
+    replaced by `body` (the marker lines and everything else unchanged); None if there is no marker for
+    KEY. A marker mentioned inside a line of text is not a marker. An opening marker without its closing
+    one, or a marker given twice, raises MarkerError."""
+    starts = [m for m in MARKER.finditer(text) if m[2] == key and not m[1]]
+    ends = [m for m in MARKER.finditer(text) if m[2] == key and m[1]]
+    if not starts and not ends:
         return None
-    if n_start != 1 or n_end != 1 or text.index(end) < text.index(start):
-        raise MarkerError(f"{start} and {end} must each appear once, in that order "
-                          f"(found {n_start} and {n_end})")
-    i, j = text.index(start) + len(start), text.index(end)
-    return text[:i] + "\n" + body.strip("\n") + "\n" + text[j:]
+    if len(starts) != 1 or len(ends) != 1 or ends[0].start() < starts[0].end():
+        raise MarkerError(f"<!-- results:{key} --> and <!-- /results:{key} --> must each be a line of their own, "
+                          f"once, in that order (found {len(starts)} and {len(ends)})")
+    return text[:starts[0].end()] + "\n" + body.strip("\n") + "\n" + text[ends[0].start():]
 
 
 def update_docs(root: Path, check: bool, tables=TABLES, summary=SUMMARY) -> tuple[list, list, list]:
@@ -373,9 +376,9 @@ def update_docs(root: Path, check: bool, tables=TABLES, summary=SUMMARY) -> tupl
         texts[doc] = new
     known = {t.key for t in tables} | {summary.key}
     for path in sorted([root / "README.md", *(root / "docs").glob("*.md")]):
-        for key in re.findall(r"<!-- results:([\w.-]+) -->", path.read_text() if path.is_file() else ""):
-            if key not in known:
-                errors.append(f"{path.relative_to(root)}: <!-- results:{key} --> has no table spec in benchmarks/report.py")
+        for m in MARKER.finditer(path.read_text() if path.is_file() else ""):
+            if m[2] not in known and not m[1]:
+                errors.append(f"{path.relative_to(root)}: <!-- results:{m[2]} --> has no table spec in benchmarks/report.py")
     if not check:
         for doc, text in texts.items():
             if text != ((root / doc).read_text() if (root / doc).is_file() else ""):

@@ -132,6 +132,8 @@ def test_replace_block_is_idempotent_and_leaves_other_text_alone():
     assert once == "# Title\n\nbefore\n<!-- results:toy -->\n| new |\n<!-- /results:toy -->\nafter\n"
     assert report.replace_block(once, "toy", "| new |\n") == once
     assert report.replace_block(doc, "other", "x") is None
+    mention = "Tables sit between `<!-- results:toy -->` and its closing marker.\n"  # prose, not a marker
+    assert report.replace_block(mention + doc, "toy", "| new |\n") == mention + once
     with pytest.raises(report.MarkerError):
         report.replace_block("<!-- results:toy -->\nno end\n", "toy", "x")
     with pytest.raises(report.MarkerError):
