@@ -174,6 +174,14 @@ def test_every_spec_is_consistent():
     assert {(k, m, b) for k, m, b in report.SUMMARY.rows} == {(t.key, t.method, b) for t in report.TABLES for b in t.baselines}
 
 
+def test_the_docs_tables_match_the_committed_results():
+    """`python benchmarks/report.py --check` on this checkout: a table edited by hand, or results added
+    without regenerating the tables, fails here."""
+    found, stale, errors = report.update_docs(REPO, check=True)
+    assert "README.md: results:summary" in found
+    assert stale == [] and errors == [], "run python benchmarks/report.py"
+
+
 def shlex_split_runner(cmd: str) -> list[str]:
     import shlex
 
@@ -185,9 +193,10 @@ def shlex_split_runner(cmd: str) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 # benchmarks/learning.py
 # ---------------------------------------------------------------------------------------------
-def runner(*args, timeout=300):
+def runner(*args, tmp=None, timeout=300):
+    env = dict(os.environ, TMPDIR=str(tmp)) if tmp else None  # the runner's scratch dirs go under TMPDIR
     return subprocess.run([sys.executable, str(REPO / "benchmarks" / "learning.py"), *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, env=env)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -216,7 +225,9 @@ def test_runner_end_to_end_micro(tiny_cache, tmp_path):
     # variant "bad" passes the argument parser but fails in the run (omega must lie in (0, 1))
     args = ["--script", "graphgpo", "--variants", "grpo=--step-advantage none", "bad=--omega 1.5", "--seeds", "3",
             "--out", str(out), "--", *MICRO]
-    proc = runner(*args)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    proc = runner(*args, tmp=scratch)
     assert proc.returncode == 1, proc.stdout + proc.stderr  # a failed run: reported, and the exit code says so
     assert "FAILED: bad seed 3" in proc.stdout + proc.stderr and "--omega must lie in (0, 1)" in proc.stdout
     recs = learning.read_results(out)
@@ -238,15 +249,11 @@ def test_runner_end_to_end_micro(tiny_cache, tmp_path):
     assert rec["machine"]["cpu_count"] == os.cpu_count() and len(rec["machine"]["load_average_start"]) == 3
     assert rec["machine"]["torch"] and rec["machine"]["transformers"]
     assert re.fullmatch(r"[0-9a-f]{40}", rec["git"]["commit"]) and isinstance(rec["git"]["dirty"], bool)
-    assert not any(Path(tempfile_dir()).glob("learning_micro_*/grpo__3")), "a written run's scratch dir is removed"
+    assert not list(scratch.glob("learning_micro_*/grpo__3")), "a written run's scratch dir is removed"
+    assert list(scratch.glob("learning_micro_*/bad__3/run.log")), "a failed run's log is kept"
 
     again = runner("--script", "graphgpo", "--variants", "grpo=--step-advantage none", "--seeds", "3",
-                   "--out", str(out), "--", *MICRO)
+                   "--out", str(out), "--", *MICRO, tmp=scratch)
     assert again.returncode == 0 and "0 to run, 1 already in" in again.stdout, again.stdout + again.stderr
     assert len(learning.read_results(out)) == 1, "a run already in the results file is not run again"
 
-
-def tempfile_dir() -> str:
-    import tempfile
-
-    return tempfile.gettempdir()
