@@ -1,0 +1,412 @@
+"""Regenerate every results table in README.md and docs/*.md from the raw results in docs/results/*.jsonl.
+
+    python benchmarks/report.py              # rewrite the tables (and the learning-curve PNGs)
+    python benchmarks/report.py --check      # exit 1 if any table in the docs differs from the results
+    python benchmarks/report.py --commands   # the benchmarks/learning.py command that fills each table
+
+A generated table lives between two marker comments in a doc, and only the text between them is
+rewritten (the rest of the file is left as it is):
+
+    <!-- results:graphgpo -->
+    ...generated, do not edit...
+    <!-- /results:graphgpo -->
+
+What each table shows is declared once, in TABLES and SUMMARY below. A `Table` names the method script,
+its variants (the flags of each, as passed to benchmarks/learning.py), which variant is the method and
+which are its baselines, the seeds, and the doc holding its markers; its raw results are
+docs/results/<key>.jsonl, written by `python benchmarks/learning.py` (run `--commands` for the exact
+command). Only result lines whose script, variant flags and extra flags match the Table are used; of
+repeated (variant, seed) lines the last one counts. Per variant the table gives the main metric before
+and after training (means over seeds), the mean change ± SE over seeds (SE = sample std / sqrt(n)), the
+greedy metric before → after, and the median [min, max] wall time per run; per seed each change with its
+run's own SE; per (method, baseline) the paired difference of the changes on the same seed, mean ± SE over
+seeds. SUMMARY is the cross-method table in README.md: one row per (method, baseline) pair. Markers that
+are missing are reported and skipped. With matplotlib, the learning curves (mean over seeds, ± SE band)
+go to docs/results/<key>.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import shlex
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from learning import read_results, user_command  # noqa: E402  (the runner writes the files read here)
+
+SEEDS = (4, 5, 6, 7, 8)  # held-out seeds: the defaults were tuned on seeds 1-3
+
+
+# ----------------------------------------------------------------------------------------------
+# Table specs: the single place that says which table shows what
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Table:
+    key: str  # marker name and results file: <!-- results:KEY -->, docs/results/KEY.jsonl
+    doc: str  # the file holding the markers, relative to the repository root
+    script: str  # graphgpo, istar, delta_belief, aria or epo
+    variants: dict  # name -> (label, flags): the rows, in order; flags as given to learning.py --variants
+    method: str  # the variant that is the method
+    baselines: tuple  # the variants it is compared with, paired by seed
+    seeds: tuple = SEEDS
+    extra: str = ""  # flags for every run (learning.py's `-- ...`); "" measures the script's defaults
+    parallel: int = 2  # runs at a time in the runner command (it changes the wall time)
+    note: str = ""  # one sentence printed above the table
+
+    @property
+    def results(self) -> str:  # relative to the repository root, like `doc`
+        return f"docs/results/{self.key}.jsonl"
+
+    @property
+    def plot(self) -> str:
+        return f"docs/results/{self.key}.png"
+
+    def flags(self, variant: str) -> list[str]:
+        return shlex.split(self.variants[variant][1])
+
+    def runner_command(self) -> str:
+        variants = " ".join(f"{n}=" + (shlex.quote(f) if f else "") for n, (_, f) in self.variants.items())
+        cmd = (f"python benchmarks/learning.py --script {self.script} --variants {variants} --seeds "
+               f"{' '.join(map(str, self.seeds))} --parallel {self.parallel} --out docs/results/{self.key}.jsonl")
+        return cmd + (f" -- {self.extra}" if self.extra else "")
+
+
+TABLES = [
+    Table("graphgpo", "docs/graphgpo.md", "graphgpo",
+          {"graphgpo": ("GraphGPO", ""), "grpo": ("GRPO", "--step-advantage none"),
+           "gigpo": ("GiGPO", "--step-advantage gigpo")}, method="graphgpo", baselines=("grpo", "gigpo")),
+    Table("istar", "docs/istar.md", "istar",
+          {"istar": ("iStar (RLOO)", ""), "rloo": ("RLOO", "--alpha 0")}, method="istar", baselines=("rloo",)),
+    Table("delta_belief", "docs/delta_belief.md", "delta_belief",
+          {"delta": ("ΔBelief-RL", ""), "starpo": ("StarPO", "--reward-mode starpo")},
+          method="delta", baselines=("starpo",)),
+    Table("aria", "docs/aria.md", "aria",
+          {"aria": ("ARIA", ""), "reinforce": ("REINFORCE", "--no-aggregate")}, method="aria",
+          baselines=("reinforce",), note="Bargaining self-play (the default env); the metric is the payoff share "
+                                        "against the scripted styles."),
+    Table("aria_twenty_questions", "docs/aria.md", "aria",
+          {"aria": ("ARIA", ""), "reinforce": ("REINFORCE", "--no-aggregate")}, method="aria",
+          baselines=("reinforce",), extra="--env-id twenty_questions"),
+    Table("epo", "docs/epo.md", "epo",
+          {"epo": ("EPO", ""), "prm_none": ("outcome only", "--prm none"), "ones": ("EPO-SFT", "--weights ones")},
+          method="epo", baselines=("prm_none", "ones")),
+    Table("epo_scripted", "docs/epo.md", "epo",
+          {"epo": ("EPO vs scripted styles", "--train-opponent rule:any --return-norm batch --prm-min-final 0.5"),
+           "prm_none": ("outcome only", "--train-opponent rule:any --return-norm batch --prm none")},
+          method="epo", baselines=("prm_none",), extra="--num-iterations 40 --eval-every 10 --eval-num-tasks 0",
+          note="EPO's best setting so far (docs/learning.md): trained against the scripted styles, 40 iterations, "
+               "evaluated on all test tasks."),
+]
+
+
+@dataclass(frozen=True)
+class Summary:
+    key: str = "summary"  # <!-- results:summary --> in README.md
+    doc: str = "README.md"
+    rows: tuple = field(default_factory=lambda: tuple(
+        (t.key, t.method, b) for t in TABLES for b in t.baselines))  # (table key, method, baseline)
+
+
+SUMMARY = Summary()
+
+
+# ----------------------------------------------------------------------------------------------
+# Statistics (pure functions of result lines; tests/test_results.py checks them by hand)
+# ----------------------------------------------------------------------------------------------
+def mean_se(values) -> tuple[float, float | None]:
+    """Mean and standard error over seeds (sample std / sqrt(n)); the SE is None for one value."""
+    v = [float(x) for x in values]
+    if not v:
+        raise ValueError("mean_se of no values")
+    if len(v) == 1:
+        return v[0], None
+    return statistics.fmean(v), statistics.stdev(v) / math.sqrt(len(v))
+
+
+def select(table: Table, records: list[dict]) -> dict[str, dict[int, dict]]:
+    """variant -> seed -> result line, for the lines that match the table (the last of repeated ones)."""
+    out: dict[str, dict[int, dict]] = {v: {} for v in table.variants}
+    for r in records:
+        v = r.get("variant")
+        if (v in table.variants and r.get("script") == f"{table.script}.py" and r.get("seed") in table.seeds
+                and r.get("variant_flags") == table.flags(v) and r.get("extra_flags") == shlex.split(table.extra)):
+            out[v][r["seed"]] = r
+    return out
+
+
+def variant_stats(runs: dict[int, dict]) -> dict:
+    """One variant's runs (seed -> line): means over seeds, the mean change ± SE, per-seed changes with
+    their run SEs, the greedy metric, and wall seconds."""
+    lines = [runs[s] for s in sorted(runs)]
+    change, change_se = mean_se([r["change"] for r in lines])
+    greedy = [r["greedy"] for r in lines if r.get("greedy")]
+    walls = [r["wall_seconds"] for r in lines]
+    return {"n": len(lines), "seeds": sorted(runs),
+            "before": statistics.fmean(r["before"] for r in lines), "after": statistics.fmean(r["after"] for r in lines),
+            "change": change, "change_se": change_se,
+            "per_seed": {s: (runs[s]["change"], runs[s]["change_se"]) for s in sorted(runs)},
+            "greedy_metric": greedy[0]["metric"] if greedy else None,
+            "greedy_before": statistics.fmean(g["before"] for g in greedy) if greedy else None,
+            "greedy_after": statistics.fmean(g["after"] for g in greedy) if greedy else None,
+            "wall_median": statistics.median(walls), "wall_min": min(walls), "wall_max": max(walls)}
+
+
+def paired(method: dict[int, dict], baseline: dict[int, dict]) -> dict | None:
+    """The paired difference of the changes, method minus baseline on the same seed: per seed, and mean ±
+    SE over the seeds both have (None if they share none)."""
+    seeds = sorted(set(method) & set(baseline))
+    if not seeds:
+        return None
+    diffs = {s: method[s]["change"] - baseline[s]["change"] for s in seeds}
+    mean, se = mean_se(diffs.values())
+    return {"seeds": seeds, "per_seed": diffs, "mean": mean, "se": se}
+
+
+# ----------------------------------------------------------------------------------------------
+# Rendering
+# ----------------------------------------------------------------------------------------------
+def pm(mean: float, se: float | None, signed: bool = True) -> str:
+    m = f"{mean:+.3f}" if signed else f"{mean:.3f}"
+    return f"{m} ± {se:.3f}" if se is not None else f"{m} ± n/a (1 seed)"
+
+
+def link(doc: str, target: str) -> str:
+    """A link to `target` that works from `doc` (both relative to the repository root)."""
+    return Path(os.path.relpath(target, os.path.dirname(doc) or ".")).as_posix()
+
+
+def provenance(lines: list[dict]) -> str:
+    """Where the numbers come from: tiny policy, machine, commit; a mix of builds is flagged."""
+    def distinct(f):
+        return sorted({f(r) for r in lines}, key=str)
+
+    pol = distinct(lambda r: (r["tiny_policy"].get("dir"), r["tiny_policy"].get("weights_sha256"))
+                   if r.get("tiny_policy", {}).get("tiny") else (r.get("tiny_policy", {}).get("model_name"), None))
+    mach = distinct(lambda r: (r["machine"].get("cpu_model"), r["machine"].get("cpu_count")))
+    commits = distinct(lambda r: (r["git"]["commit"] or "?")[:10] + (" (dirty)" if r["git"].get("dirty") else ""))
+    par = distinct(lambda r: r.get("parallel"))
+    loads = [x for r in lines for x in (r["machine"]["load_average_start"][0], r["machine"]["load_average_end"][0])]
+    pol_s = "; ".join(f"`{d}`" + (f" (weights {w})" if w else "") for d, w in pol)
+    out = (f"Policy {pol_s}. Machine: " + "; ".join(f"{m}, {c} CPU cores" for m, c in mach)
+           + f", {'/'.join(map(str, par))} run(s) at a time, 1-min load average {min(loads):.1f}-{max(loads):.1f}. "
+           + f"Commit {', '.join(commits)}.")
+    if len(pol) > 1:
+        out += " **Warning: the runs used different policy builds; their numbers are not comparable.**"
+    return out
+
+
+def render_table(table: Table, records: list[dict], with_plot: bool = False) -> str:
+    """The generated text of one Table (what goes between its markers)."""
+    src = f"[{link(table.doc, table.results)}]({link(table.doc, table.results)})"
+    head = f"Generated by `python benchmarks/report.py` from {src}; do not edit by hand."
+    runs = select(table, records)
+    if not any(runs.values()):
+        return (f"{head} No results yet: run `{table.runner_command()}`, then `python benchmarks/report.py`.")
+    lines = [r for v in runs.values() for r in v.values()]
+    stats = {v: variant_stats(runs[v]) for v in table.variants if runs[v]}
+    metric = lines[0]["metric"]
+    seeds = [s for s in table.seeds if any(s in runs[v] for v in runs)]
+    iters = sorted({r["iterations"] for r in lines})
+    greedy = next((s["greedy_metric"] for s in stats.values() if s["greedy_metric"]), None)
+    out = [head + (f" {table.note}" if table.note else ""),
+           "",
+           f"Main metric `{metric}` (env {', '.join(sorted({r['env_id'] for r in lines}))}), "
+           f"{'/'.join(map(str, iters))} iterations, seeds {', '.join(map(str, seeds))}. "
+           f"Produced by `{table.runner_command()}`. {provenance(lines)}",
+           "",
+           f"| variant | command (seed S) | seeds | before | after | change ± SE | greedy before → after"
+           f"{f' (`{greedy}`)' if greedy else ''} | wall s, median [min, max] |",
+           "|---|---|---|---|---|---|---|---|"]
+    for v, (label, _) in table.variants.items():
+        cmd = user_command(table.script, "S", table.flags(v), shlex.split(table.extra))
+        if v not in stats:
+            out.append(f"| {label} | `{cmd}` | 0 | not run | | | | |")
+            continue
+        s = stats[v]
+        g = f"{s['greedy_before']:.3f} → {s['greedy_after']:.3f}" if s["greedy_metric"] else "not logged"
+        out.append(f"| {label} | `{cmd}` | {s['n']} | {s['before']:.3f} | {s['after']:.3f} | "
+                   f"{pm(s['change'], s['change_se'])} | {g} | "
+                   f"{s['wall_median']:.0f} [{s['wall_min']:.0f}, {s['wall_max']:.0f}] |")
+    out += ["", "Change per seed (± the run's own SE) and the paired difference of the changes on the same seed:", "",
+            "| | " + " | ".join(f"seed {s}" for s in seeds) + " | mean ± SE over seeds |",
+            "|---|" + "---|" * (len(seeds) + 1)]
+    for v, (label, _) in table.variants.items():
+        if v in stats:
+            cells = [pm(*stats[v]["per_seed"][s]) if s in runs[v] else "n/a" for s in seeds]
+            out.append(f"| {label} change | " + " | ".join(cells) + f" | {pm(stats[v]['change'], stats[v]['change_se'])} |")
+    for b in table.baselines:
+        d = paired(runs[table.method], runs[b])
+        if d:
+            cells = [f"{d['per_seed'][s]:+.3f}" if s in d["per_seed"] else "n/a" for s in seeds]
+            out.append(f"| {table.variants[table.method][0]} − {table.variants[b][0]} (paired) | "
+                       + " | ".join(cells) + f" | {pm(d['mean'], d['se'])} |")
+    if with_plot:
+        out += ["", f"![{metric} per iteration, mean ± SE over seeds]({link(table.doc, table.plot)})"]
+    return "\n".join(out)
+
+
+def render_summary(summary: Summary, records_by_table: dict[str, list[dict]], tables=TABLES) -> str:
+    """The cross-method table: one row per (method, baseline) pair of `summary.rows`."""
+    tables = {t.key: t for t in tables}
+    out = ["Generated by `python benchmarks/report.py` from docs/results/; do not edit by hand. Change: the "
+           "main metric after training minus before, mean ± SE over seeds; paired difference: the method's change "
+           "minus the baseline's on the same seed, mean ± SE over seeds. Details, the policies and machines: "
+           "each method's page.",
+           "",
+           "| method | baseline | env: metric | method change ± SE | baseline change ± SE | paired difference ± SE "
+           "| seeds | wall s per run (median) | command |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for key, m, b in summary.rows:
+        t = tables[key]
+        runs = select(t, records_by_table.get(key, []))
+        cmd = user_command(t.script, "S", t.flags(m), shlex.split(t.extra))
+        label_m, label_b = t.variants[m][0], f"{t.variants[b][0]}" + (f" (`{t.variants[b][1]}`)" if t.variants[b][1] else "")
+        if not runs[m] or not runs[b]:
+            out.append(f"| {label_m} | {label_b} | | not run yet | | | | | `{cmd}` |")
+            continue
+        sm, sb, d = variant_stats(runs[m]), variant_stats(runs[b]), paired(runs[m], runs[b])
+        any_line = next(iter(runs[m].values()))
+        cores = sorted({r["machine"]["cpu_count"] for r in runs[m].values()})
+        diff = pm(d["mean"], d["se"]) if d else "no common seed"
+        out.append(f"| {label_m} | {label_b} | {any_line['env_id']}: `{any_line['metric']}` | "
+                   f"{pm(sm['change'], sm['change_se'])} | {pm(sb['change'], sb['change_se'])} | {diff} | "
+                   f"{', '.join(map(str, d['seeds'] if d else sm['seeds']))} | "
+                   f"{sm['wall_median']:.0f} ({'/'.join(map(str, cores))} CPU cores) | `{cmd}` |")
+    return "\n".join(out)
+
+
+def plot_curves(table: Table, records: list[dict], path: Path) -> bool:
+    """The main metric per evaluation, mean over seeds with a ± SE band, one line per variant; False
+    (and nothing written) without matplotlib or results."""
+    runs = select(table, records)
+    if not any(runs.values()):
+        return False
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plots (the tables do not need it)")
+        return False
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for v, (label, _) in table.variants.items():
+        curves = [{p["iteration"]: p["value"] for p in r["curve"]} for r in runs[v].values()]
+        if not curves:
+            continue
+        its = sorted(set.intersection(*(set(c) for c in curves)))
+        stats = [mean_se([c[i] for c in curves]) for i in its]
+        mean = [m for m, _ in stats]
+        se = [s or 0.0 for _, s in stats]
+        ax.plot(its, mean, marker="o", label=f"{label} ({len(curves)} seeds)")
+        ax.fill_between(its, [m - s for m, s in zip(mean, se)], [m + s for m, s in zip(mean, se)], alpha=0.2)
+    metric = next(r for v in runs.values() for r in v.values())["metric"]
+    ax.set_xlabel("iteration")
+    ax.set_ylabel(metric)
+    ax.set_title(f"{table.key}: mean ± SE over seeds")
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100, metadata={"Software": None})
+    plt.close(fig)
+    return True
+
+
+# ----------------------------------------------------------------------------------------------
+# Markers
+# ----------------------------------------------------------------------------------------------
+class MarkerError(Exception):
+    pass
+
+
+MARKER = re.compile(r"^<!-- (/?)results:([\w-]+) -->$", re.M)  # a marker is a line of its own
+
+
+def replace_block(text: str, key: str, body: str) -> str | None:
+    """`text` with the lines between the marker lines `<!-- results:KEY -->` and `<!-- /results:KEY -->`
+    replaced by `body` (the marker lines and everything else unchanged); None if there is no marker for
+    KEY. A marker mentioned inside a line of text is not a marker. An opening marker without its closing
+    one, or a marker given twice, raises MarkerError."""
+    starts = [m for m in MARKER.finditer(text) if m[2] == key and not m[1]]
+    ends = [m for m in MARKER.finditer(text) if m[2] == key and m[1]]
+    if not starts and not ends:
+        return None
+    if len(starts) != 1 or len(ends) != 1 or ends[0].start() < starts[0].end():
+        raise MarkerError(f"<!-- results:{key} --> and <!-- /results:{key} --> must each be a line of their own, "
+                          f"once, in that order (found {len(starts)} and {len(ends)})")
+    return text[:starts[0].end()] + "\n" + body.strip("\n") + "\n" + text[ends[0].start():]
+
+
+def update_docs(root: Path, check: bool, tables=TABLES, summary=SUMMARY) -> tuple[list, list, list]:
+    """Regenerate every block of `tables` and `summary` in the docs under `root` (with `check`, write
+    nothing). Returns (blocks found, stale blocks, errors); a block is stale when its text in the doc
+    differs from what the results give."""
+    records = {t.key: read_results(root / t.results) for t in tables}
+    bodies = []  # (doc, key, generated text)
+    for t in tables:
+        png = root / t.plot
+        if not check:
+            plot_curves(t, records[t.key], png)
+        bodies.append((t.doc, t.key, render_table(t, records[t.key], with_plot=png.is_file())))
+    bodies.append((summary.doc, summary.key, render_summary(summary, records, tables)))
+
+    texts: dict[str, str] = {}
+    found, stale, errors = [], [], []
+    for doc, key, body in bodies:
+        path = root / doc
+        text = texts.setdefault(doc, path.read_text() if path.is_file() else "")
+        try:
+            new = replace_block(text, key, body)
+        except MarkerError as e:
+            errors.append(f"{doc}: {e}")
+            continue
+        if new is None:
+            print(f"{doc}: no <!-- results:{key} --> marker; table {key} skipped (add the two markers where it belongs)")
+            continue
+        found.append(f"{doc}: results:{key}")
+        if new != text:
+            stale.append(f"{doc}: results:{key}")
+        texts[doc] = new
+    known = {t.key for t in tables} | {summary.key}
+    for path in sorted([root / "README.md", *(root / "docs").glob("*.md")]):
+        for m in MARKER.finditer(path.read_text() if path.is_file() else ""):
+            if m[2] not in known and not m[1]:
+                errors.append(f"{path.relative_to(root)}: <!-- results:{m[2]} --> has no table spec in benchmarks/report.py")
+    if not check:
+        for doc, text in texts.items():
+            if text != ((root / doc).read_text() if (root / doc).is_file() else ""):
+                (root / doc).write_text(text)
+                print(f"updated {doc}")
+    return found, stale, errors
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python benchmarks/report.py", description=__doc__.split("\n")[0])
+    p.add_argument("--check", action="store_true", help="write nothing; exit 1 if a generated table is stale")
+    p.add_argument("--commands", action="store_true", help="print the runner command of every table and exit")
+    args = p.parse_args(argv)
+    if args.commands:
+        for t in TABLES:
+            print(f"# {t.key} -> {t.doc}\n{t.runner_command()}")
+        return 0
+    found, stale, errors = update_docs(REPO, check=args.check)
+    for msg in errors:
+        print(f"error: {msg}", file=sys.stderr)
+    if args.check:
+        for s in stale:
+            print(f"stale: {s} (run python benchmarks/report.py)", file=sys.stderr)
+        print(f"{len(found)} generated tables, {len(stale)} stale" + ("" if stale else ": up to date"))
+        return 1 if stale or errors else 0
+    print(f"{len(found)} generated tables, {len(stale)} rewritten")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

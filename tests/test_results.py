@@ -1,0 +1,259 @@
+"""The results pipeline: benchmarks/report.py's statistics and tables against numbers computed by hand,
+its marker replacement and --check, and benchmarks/learning.py end to end on a micro run."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import learning  # noqa: E402
+import report  # noqa: E402
+
+# ---------------------------------------------------------------------------------------------
+# A toy benchmark: method "m" and baseline "b" on seeds 4, 5, 6
+# ---------------------------------------------------------------------------------------------
+TOY = report.Table("toy", "docs/toy.md", "graphgpo", {"m": ("Method", ""), "b": ("Base", "--step-advantage none")},
+                   method="m", baselines=("b",), seeds=(4, 5, 6), parallel=1)
+TOY_SUMMARY = report.Summary(rows=(("toy", "m", "b"),))
+
+
+def line(variant, seed, before, after, change_se=0.03, wall=100.0, greedy=(0.7, 0.7), flags=None):
+    """One result line as benchmarks/learning.py writes it (only what report.py reads is realistic)."""
+    flags = TOY.flags(variant) if flags is None else flags
+    return {"bench": "toy", "script": "graphgpo.py", "variant": variant, "variant_flags": flags, "extra_flags": [],
+            "command": learning.user_command("graphgpo", seed, flags, []), "seed": seed, "env_id": "sokoban",
+            "metric": "eval/success", "before": before, "before_se": 0.02, "after": after, "after_se": 0.02,
+            "change": round(after - before, 10), "change_se": change_se, "fell": False,
+            "greedy": {"metric": "eval/success_greedy", "before": greedy[0], "before_se": 0.03,
+                       "after": greedy[1], "after_se": 0.03},
+            "curve": [{"iteration": 0, "value": before, "se": 0.02}, {"iteration": 40, "value": after, "se": 0.02}],
+            "credit_means": {}, "perf_means": {}, "wall_seconds": wall, "iterations": 40, "config": {},
+            "tiny_policy": {"model_name": "tiny", "tiny": True, "dir": "sokoban__default__abc", "weights_sha256": "00ff"},
+            "machine": {"cpu_model": "Test CPU", "cpu_count": 2, "load_average_start": [1.0, 1, 1],
+                        "load_average_end": [2.0, 1, 1]},
+            "git": {"commit": "0123456789abcdef", "dirty": False}, "parallel": 1, "finished_at": "2026-01-01T00:00:00Z"}
+
+
+# Hand arithmetic for the fixture below (SE = sample std / sqrt(n), n = 3 seeds):
+#   m: before 0.40, 0.50, 0.45 -> mean 0.45; after 0.60, 0.55, 0.65 -> mean 0.60
+#      changes +0.20, +0.05, +0.20 -> mean 0.15; deviations +0.05, -0.10, +0.05; squares sum 0.015;
+#      variance 0.015 / 2 = 0.0075; SE = sqrt(0.0075 / 3) = sqrt(0.0025) = 0.05
+#      greedy before 0.7 (all), after 0.8, 0.7, 0.9 -> 0.8; wall 100, 300, 200 -> median 200 [100, 300]
+#   b: before 0.40, 0.50, 0.45 -> 0.45; after 0.50, 0.55, 0.45 -> 1.50 / 3 = 0.50
+#      changes +0.10, +0.05, 0.00 -> mean 0.05; squares 0.0025 + 0 + 0.0025 = 0.005; variance 0.0025;
+#      SE = sqrt(0.0025 / 3) = 0.028868
+#   paired m - b, same seed: +0.10, 0.00, +0.20 -> mean 0.10; squares 0 + 0.01 + 0.01 = 0.02;
+#      variance 0.01; SE = sqrt(0.01 / 3) = 0.057735
+FIXTURE = [
+    line("m", 5, 0.50, 0.90),  # an older line for (m, 5): the later one below replaces it
+    line("m", 4, 0.40, 0.60, wall=100.0, greedy=(0.7, 0.8)),
+    line("m", 5, 0.50, 0.55, wall=300.0, greedy=(0.7, 0.7)),
+    line("m", 6, 0.45, 0.65, wall=200.0, greedy=(0.7, 0.9)),
+    line("b", 4, 0.40, 0.50),
+    line("b", 5, 0.50, 0.55),
+    line("b", 6, 0.45, 0.45),
+    line("b", 6, 0.45, 0.95, flags=["--step-advantage", "gigpo"]),  # other flags: not this table's variant b
+    line("b", 9, 0.45, 0.95),  # seed 9 is not one of the table's seeds
+]
+
+
+@pytest.fixture
+def toy_records(tmp_path):
+    path = tmp_path / "toy.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in FIXTURE))
+    return learning.read_results(path)
+
+
+def test_mean_se_by_hand():
+    mean, se = report.mean_se([0.20, 0.05, 0.20])
+    assert mean == pytest.approx(0.15) and se == pytest.approx(0.05)
+    assert report.mean_se([0.3]) == (0.3, None)  # one seed: no spread to estimate
+
+
+def test_stats_and_paired_difference_by_hand(toy_records):
+    runs = report.select(TOY, toy_records)
+    assert sorted(runs["m"]) == [4, 5, 6] and sorted(runs["b"]) == [4, 5, 6]
+    assert runs["m"][5]["after"] == 0.55  # the last line of a repeated (variant, seed) counts
+    assert runs["b"][6]["after"] == 0.45  # the line with other flags is not variant b of this table
+    m, b = report.variant_stats(runs["m"]), report.variant_stats(runs["b"])
+    assert (m["before"], m["after"]) == (pytest.approx(0.45), pytest.approx(0.60))
+    assert (m["change"], m["change_se"]) == (pytest.approx(0.15), pytest.approx(0.05))
+    assert (b["after"], b["change"], b["change_se"]) == (pytest.approx(0.50), pytest.approx(0.05),
+                                                         pytest.approx(0.028868, abs=1e-6))
+    assert (m["greedy_before"], m["greedy_after"]) == (pytest.approx(0.7), pytest.approx(0.8))
+    assert (m["wall_median"], m["wall_min"], m["wall_max"]) == (200.0, 100.0, 300.0)
+    assert m["per_seed"][4] == (pytest.approx(0.20), 0.03)
+    d = report.paired(runs["m"], runs["b"])
+    assert d["seeds"] == [4, 5, 6]
+    assert [d["per_seed"][s] for s in (4, 5, 6)] == [pytest.approx(0.10), pytest.approx(0.0), pytest.approx(0.20)]
+    assert (d["mean"], d["se"]) == (pytest.approx(0.10), pytest.approx(0.057735, abs=1e-6))
+
+
+def test_paired_difference_uses_only_common_seeds(toy_records):
+    runs = report.select(TOY, toy_records)
+    del runs["b"][5]  # seeds 4, 6 in common: differences +0.10, +0.20 -> mean 0.15, SE = 0.070711 / sqrt(2) = 0.05
+    d = report.paired(runs["m"], runs["b"])
+    assert d["seeds"] == [4, 6] and d["mean"] == pytest.approx(0.15) and d["se"] == pytest.approx(0.05)
+    assert report.paired(runs["m"], {}) is None
+
+
+def test_rendered_tables_show_the_hand_numbers(toy_records):
+    text = report.render_table(TOY, toy_records)
+    assert "| Method | `python graphgpo.py --seed S --torch-threads 1` | 3 | 0.450 | 0.600 | +0.150 ± 0.050 | " \
+           "0.700 → 0.800 | 200 [100, 300] |" in text
+    assert "| Base | `python graphgpo.py --seed S --torch-threads 1 --step-advantage none` | 3 | 0.450 | 0.500 | " \
+           "+0.050 ± 0.029 |" in text
+    assert "| Method change | +0.200 ± 0.030 | +0.050 ± 0.030 | +0.200 ± 0.030 | +0.150 ± 0.050 |" in text
+    assert "| Method − Base (paired) | +0.100 | +0.000 | +0.200 | +0.100 ± 0.058 |" in text
+    assert "[../docs/results/toy.jsonl]" not in text and "[results/toy.jsonl](results/toy.jsonl)" in text
+    summary = report.render_summary(TOY_SUMMARY, {"toy": toy_records}, tables=[TOY])
+    assert ("| Method | Base (`--step-advantage none`) | sokoban: `eval/success` | +0.150 ± 0.050 | +0.050 ± 0.029 | "
+            "+0.100 ± 0.058 | 4, 5, 6 | 200 (2 CPU cores) | `python graphgpo.py --seed S --torch-threads 1` |") in summary
+
+
+def test_table_without_results_says_how_to_make_them():
+    text = report.render_table(TOY, [])
+    assert "No results yet" in text and TOY.runner_command() in text
+    assert "not run yet" in report.render_summary(TOY_SUMMARY, {}, tables=[TOY])
+
+
+def test_replace_block_is_idempotent_and_leaves_other_text_alone():
+    doc = "# Title\n\nbefore\n<!-- results:toy -->\nold table\n<!-- /results:toy -->\nafter\n"
+    once = report.replace_block(doc, "toy", "| new |\n")
+    assert once == "# Title\n\nbefore\n<!-- results:toy -->\n| new |\n<!-- /results:toy -->\nafter\n"
+    assert report.replace_block(once, "toy", "| new |\n") == once
+    assert report.replace_block(doc, "other", "x") is None
+    mention = "Tables sit between `<!-- results:toy -->` and its closing marker.\n"  # prose, not a marker
+    assert report.replace_block(mention + doc, "toy", "| new |\n") == mention + once
+    with pytest.raises(report.MarkerError):
+        report.replace_block("<!-- results:toy -->\nno end\n", "toy", "x")
+    with pytest.raises(report.MarkerError):
+        report.replace_block(doc + doc, "toy", "x")
+
+
+def test_update_docs_writes_then_check_finds_a_stale_table(tmp_path, toy_records, capsys):
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    (tmp_path / "docs" / "results" / "toy.jsonl").write_text("".join(json.dumps(r) + "\n" for r in toy_records))
+    (tmp_path / "docs" / "toy.md").write_text("# Toy\n\n<!-- results:toy -->\n<!-- /results:toy -->\n\nend\n")
+    (tmp_path / "README.md").write_text("# Readme without markers\n")
+    found, stale, errors = report.update_docs(tmp_path, check=True, tables=[TOY], summary=TOY_SUMMARY)
+    assert found == stale == ["docs/toy.md: results:toy"] and errors == []
+    assert "README.md: no <!-- results:summary --> marker" in capsys.readouterr().out
+    assert "<!-- /results:toy -->\n\nend" in (tmp_path / "docs" / "toy.md").read_text()  # --check wrote nothing
+
+    found, stale, errors = report.update_docs(tmp_path, check=False, tables=[TOY], summary=TOY_SUMMARY)
+    text = (tmp_path / "docs" / "toy.md").read_text()
+    assert "+0.100 ± 0.058" in text and text.startswith("# Toy\n\n<!-- results:toy -->\n") and text.endswith("\n\nend\n")
+    assert (tmp_path / "docs" / "results" / "toy.png").is_file() and "(results/toy.png)" in text
+    assert report.update_docs(tmp_path, check=True, tables=[TOY], summary=TOY_SUMMARY)[1] == []
+
+    (tmp_path / "docs" / "toy.md").write_text(text.replace("+0.100 ± 0.058", "+0.200 ± 0.058"))  # edited by hand
+    assert report.update_docs(tmp_path, check=True, tables=[TOY], summary=TOY_SUMMARY)[1] == ["docs/toy.md: results:toy"]
+    (tmp_path / "README.md").write_text("<!-- results:nope -->\n<!-- /results:nope -->\n")
+    assert report.update_docs(tmp_path, check=True, tables=[TOY], summary=TOY_SUMMARY)[2] == [
+        "README.md: <!-- results:nope --> has no table spec in benchmarks/report.py"]
+
+
+def test_every_spec_is_consistent():
+    keys = [t.key for t in report.TABLES]
+    assert len(keys) == len(set(keys))
+    for t in report.TABLES:
+        assert t.script in learning.SCRIPTS and (REPO / t.doc).is_file(), t.key
+        assert t.method in t.variants and set(t.baselines) <= set(t.variants) and t.method not in t.baselines, t.key
+        args = learning.parse_args(shlex_split_runner(t.runner_command()))  # the command parses as the runner's
+        assert args.variants == {v: t.flags(v) for v in t.variants} and args.seeds == list(t.seeds), t.key
+    assert {(k, m, b) for k, m, b in report.SUMMARY.rows} == {(t.key, t.method, b) for t in report.TABLES for b in t.baselines}
+
+
+def test_the_docs_tables_match_the_committed_results():
+    """`python benchmarks/report.py --check` on this checkout: a table edited by hand, or results added
+    without regenerating the tables, fails here."""
+    found, stale, errors = report.update_docs(REPO, check=True)
+    assert "README.md: results:summary" in found
+    assert stale == [] and errors == [], "run python benchmarks/report.py"
+
+
+def shlex_split_runner(cmd: str) -> list[str]:
+    import shlex
+
+    words = shlex.split(cmd)
+    assert words[:2] == ["python", "benchmarks/learning.py"]
+    return words[2:]
+
+
+# ---------------------------------------------------------------------------------------------
+# benchmarks/learning.py
+# ---------------------------------------------------------------------------------------------
+def runner(*args, tmp=None, timeout=300):
+    env = dict(os.environ, TMPDIR=str(tmp)) if tmp else None  # the runner's scratch dirs go under TMPDIR
+    return subprocess.run([sys.executable, str(REPO / "benchmarks" / "learning.py"), *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--script", "nope", "--variants", "a=", "--seeds", "1", "--out", "x.jsonl"], "--script 'nope' is not a method script"),
+    (["--script", "graphgpo", "--variants", "a", "--seeds", "1", "--out", "x.jsonl"], "is not NAME=FLAGS"),
+    (["--script", "graphgpo", "--variants", "a=--seed 3", "--seeds", "1", "--out", "x.jsonl"], "--seed is set by the runner"),
+    (["--script", "graphgpo", "--variants", "a=", "b=", "a=", "--seeds", "1", "--out", "x.jsonl"], "given twice"),
+    (["--script", "graphgpo", "--variants", "a=", "--seeds", "1", "--out", "x.json"], "must be a .jsonl file"),
+])
+def test_runner_bad_flags_are_one_line(args, message):
+    proc = runner(*args)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and message in proc.stderr, proc.stderr
+
+
+MICRO = ["--tiny-preset", "micro", "--num-iterations", "1", "--tasks-per-iteration", "1", "--group-size", "2",
+         "--eval-num-tasks", "2", "--max-turns", "4"]
+
+
+def test_runner_end_to_end_micro(tiny_cache, tmp_path):
+    import envs
+
+    if "sokoban" not in envs.available():
+        pytest.skip("envs/sokoban.py not in this checkout")
+    out = tmp_path / "results" / "micro.jsonl"
+    # variant "bad" passes the argument parser but fails in the run (omega must lie in (0, 1))
+    args = ["--script", "graphgpo", "--variants", "grpo=--step-advantage none", "bad=--omega 1.5", "--seeds", "3",
+            "--out", str(out), "--", *MICRO]
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    proc = runner(*args, tmp=scratch)
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # a failed run: reported, and the exit code says so
+    assert "FAILED: bad seed 3" in proc.stdout + proc.stderr and "--omega must lie in (0, 1)" in proc.stdout
+    recs = learning.read_results(out)
+    assert len(recs) == 1, "only the run that finished is written"
+    rec = recs[0]
+    assert list(rec) == list(learning.RECORD_KEYS)
+    assert rec["command"] == ("python graphgpo.py --seed 3 --torch-threads 1 --step-advantage none " + " ".join(MICRO))
+    assert (rec["bench"], rec["script"], rec["variant"], rec["seed"]) == ("micro", "graphgpo.py", "grpo", 3)
+    assert rec["variant_flags"] == ["--step-advantage", "none"] and rec["extra_flags"] == MICRO
+    assert rec["metric"] == "eval/success" and rec["env_id"] == "sokoban" and rec["iterations"] == 1
+    assert rec["change"] == pytest.approx(rec["after"] - rec["before"]) and rec["change_se"] >= 0
+    assert rec["greedy"]["metric"] == "eval/success_greedy" and rec["greedy"]["after_se"] is not None
+    assert [p["iteration"] for p in rec["curve"]] == [0, 1] and rec["curve"][-1]["value"] == rec["after"]
+    assert "credit/adv_nonzero_frac" in rec["credit_means"] and rec["perf_means"]["perf/iteration_seconds"] > 0
+    assert rec["config"]["step_advantage"] == "none" and rec["config"]["seed"] == 3
+    assert 0 < rec["wall_seconds"] < 300
+    pol = rec["tiny_policy"]
+    assert pol["tiny"] and pol["dir"] == f"sokoban__micro__{pol['recipe_hash']}" and len(pol["weights_sha256"]) == 16
+    assert rec["machine"]["cpu_count"] == os.cpu_count() and len(rec["machine"]["load_average_start"]) == 3
+    assert rec["machine"]["torch"] and rec["machine"]["transformers"]
+    assert re.fullmatch(r"[0-9a-f]{40}", rec["git"]["commit"]) and isinstance(rec["git"]["dirty"], bool)
+    assert not list(scratch.glob("learning_micro_*/grpo__3")), "a written run's scratch dir is removed"
+    assert list(scratch.glob("learning_micro_*/bad__3/run.log")), "a failed run's log is kept"
+
+    again = runner("--script", "graphgpo", "--variants", "grpo=--step-advantage none", "--seeds", "3",
+                   "--out", str(out), "--", *MICRO, tmp=scratch)
+    assert again.returncode == 0 and "0 to run, 1 already in" in again.stdout, again.stdout + again.stderr
+    assert len(learning.read_results(out)) == 1, "a run already in the results file is not run again"
+
