@@ -9,7 +9,7 @@ import importlib
 import importlib.util
 from typing import Any, Hashable, Optional
 
-from envs.base import INSTRUCT_FORMAT, Step, TextEnv, TwoPlayerEnv, extract_action
+from envs.base import INSTRUCT_FORMAT, Step, TextEnv, TwoPlayerEnv, clone_env, extract_action
 
 # env id -> "module:Class"; modules are imported on first use.
 REGISTRY = {
@@ -61,6 +61,8 @@ class Seated:
     env's `Step` is passed on as it is.
     """
 
+    shared_data: tuple = ()  # none of its own; `clone_env` shares the game's
+
     def __init__(self, env, seats: Optional[dict] = None):
         self.env = env
         self.two_player = isinstance(env, TwoPlayerEnv)
@@ -78,6 +80,10 @@ class Seated:
     @property
     def task_id(self) -> Optional[str]:
         return self.env.task_id
+
+    def clone(self) -> "Seated":
+        """An independent copy of the game and its seats in the current state (`clone_env`)."""
+        return clone_env(self)
 
     @property
     def done(self) -> bool:
@@ -184,4 +190,4 @@ def vs_opponent(env: TwoPlayerEnv, opponent: str = "rule:fair", learner: Optiona
 
 
 __all__ = ["make", "available", "Seated", "vs_opponent", "VsOpponent", "Step", "TextEnv", "TwoPlayerEnv",
-           "extract_action", "INSTRUCT_FORMAT", "REGISTRY", "TWO_PLAYER"]
+           "extract_action", "clone_env", "INSTRUCT_FORMAT", "REGISTRY", "TWO_PLAYER"]

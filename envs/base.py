@@ -12,6 +12,7 @@ Envs parse what it returns and never raise on any string.
 from __future__ import annotations
 
 import contextlib
+import copy
 import re
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Optional
@@ -40,6 +41,26 @@ def extract_action(text: Any) -> str:
     return _THINK_TAG.sub("", text).strip()
 
 
+def clone_env(env):
+    """An independent copy of `env` in its current state (a `TextEnv`, `TwoPlayerEnv` or `Seated` game):
+    stepping the copy leaves the original as it was, and the copy continues exactly as the original would
+    (scripted opponents keep no hidden state beyond the game's). Read-only data tables named in a class's
+    `shared_data` (levels, word tables, catalogues) are shared, not copied. Monte Carlo rollouts from a
+    saved state use it (benchmarks/credit_quality.py)."""
+    memo, stack, seen = {}, [env], set()
+    while stack:  # the env and every env it wraps (Seated -> game, VsOpponent -> game and its seats)
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        for name in getattr(type(obj), "shared_data", ()):
+            if hasattr(obj, name):
+                value = getattr(obj, name)
+                memo[id(value)] = value
+        stack.extend(v for v in vars(obj).values() if hasattr(type(v), "shared_data"))
+    return copy.deepcopy(env, memo)
+
+
 @dataclass
 class Step:
     """What `env.step` returns. `info` always has the bools "success" and "invalid"."""
@@ -62,6 +83,7 @@ class TextEnv:
     env_id: str = "base"
     max_turns: int = 1
     system_prompt: str = ""
+    shared_data: tuple = ()  # attributes holding read-only data that clones share (see `clone_env`)
     # Text before the first observation, e.g. the rules or the instruction of the task.
     task_prompt: str = ""
 
@@ -83,6 +105,10 @@ class TextEnv:
     # -- protocol ------------------------------------------------------------------------------
     def task_ids(self, split: str) -> list[str]:
         raise NotImplementedError
+
+    def clone(self) -> "TextEnv":
+        """An independent copy in the current state (`clone_env`)."""
+        return clone_env(self)
 
     def reset(self, task_id: str) -> str:
         self.task_id = str(task_id)
@@ -185,6 +211,7 @@ class QuestionGameEnv(TextEnv):
     canonical_questions: list = []
     guess_targets: list = []
     show_candidates: int = 0
+    shared_data = ("table", "canonical_questions", "guess_targets", "words", "attributes", "cities", "yesno")
     candidates_label: str = "answers"
     target: Optional[str] = None
 
@@ -258,9 +285,14 @@ class TwoPlayerEnv:
     env_id: str = "two_player"
     players: tuple[str, ...] = ("A", "B")
     max_rounds: int = 1
+    shared_data: tuple = ()
 
     def task_ids(self, split: str) -> list[str]:
         raise NotImplementedError
+
+    def clone(self) -> "TwoPlayerEnv":
+        """An independent copy in the current state (`clone_env`)."""
+        return clone_env(self)
 
     def reset(self, task_id: str) -> None:
         raise NotImplementedError

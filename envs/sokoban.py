@@ -298,6 +298,8 @@ class SokobanEnv(TextEnv):
 
     env_id = "sokoban"
 
+    shared_data = ("_levels",)  # the generated levels, read-only
+
     def __init__(self, size: int = 6, num_boxes: int = 2, min_solution_len: int = 5,
                  max_solution_len: int = 12, min_floor: float = 0.8, max_steps: int = 15,
                  reward: str = "sparse", num_train: int = 5000, num_test: int = 200, seed: int = 0,

@@ -213,6 +213,7 @@ class WebShopEnv(TextEnv):
     env_id = "webshop"
     version = VERSION
     max_turns = MAX_STEPS
+    shared_data = ("products", "by_id", "tasks")  # the catalogue and task list, read-only
 
     def __init__(self, history: Optional[int] = 4, results_per_page: int = 3, max_results: int = 15,
                  max_steps: int = MAX_STEPS, instructions: bool = True, click_items: str = "number"):

@@ -360,3 +360,85 @@ def test_guess_text_only_where_the_env_has_guesses(env_id):
     env.reset(env.task_ids("test")[0])
     guess = env.guess_text(env.task_ids("test")[0])
     assert guess is None or (isinstance(guess, str) and not env.step(guess).info["invalid"])
+
+
+# -- clone: save and restore a state ---------------------------------------------------------------
+def _moves(env, rng, n):
+    """n moves mixing the expert's, admissible ones and an invalid string (single-agent view)."""
+    out = []
+    for i in range(n):
+        acts = list(env.admissible_actions() or []) if hasattr(env, "admissible_actions") else []
+        pick = rng.random()
+        out.append(env.expert_action() if pick < 0.5 or not acts else rng.choice(acts) if pick < 0.9 else "???")
+    return out
+
+
+def _replay(env, texts):
+    rows = []
+    for t in texts:
+        if env.done:
+            break
+        s = env.step(t)
+        rows.append((s.observation, s.reward, s.done, sorted((k, repr(v)) for k, v in s.info.items()),
+                     repr(env.messages()), repr(env.state_key())))
+    return rows
+
+
+def _clone_round_trip(make_env, task, seed):
+    """Play a prefix, clone; the same continuation gives the same steps on both, and stepping the clone
+    (with other moves) leaves the original's prompt and state as they were."""
+    rng = random.Random(seed)
+    env = make_env()
+    env.reset(task)
+    for t in _moves(env, rng, 2):
+        if not env.done:
+            env.step(t)
+    before = (repr(env.messages()), repr(env.state_key()), env.done)
+    copy = env.clone()
+    assert copy is not env and (repr(copy.messages()), repr(copy.state_key()), copy.done) == before
+    _replay(copy, ["<action>nonsense</action>", *_moves(copy, random.Random(seed + 1), 6)])
+    assert (repr(env.messages()), repr(env.state_key()), env.done) == before  # the original is untouched
+    copy = env.clone()
+    tail = _moves(env.clone(), random.Random(seed + 2), 8)
+    assert _replay(copy, tail) == _replay(env, tail)
+
+
+@pytest.mark.parametrize("env_id", SINGLE)
+def test_clone_round_trip_single_agent(env_id):
+    probe = envs.make(env_id)
+    for k, task in enumerate(probe.task_ids("train")[:3]):
+        _clone_round_trip(lambda: envs.make(env_id), task, seed=k)
+
+
+@pytest.mark.parametrize("env_id", TWO)
+def test_clone_round_trip_against_every_scripted_style(env_id):
+    probe = envs.make(env_id)
+    for style in probe.opponent_styles():
+        for learner in probe.players:
+            for k, task in enumerate(probe.task_ids("train")[:2]):
+                _clone_round_trip(lambda: envs.vs_opponent(envs.make(env_id), f"rule:{style}", learner), task, k)
+
+
+@pytest.mark.parametrize("env_id", TWO)
+def test_clone_of_a_seated_self_play_game(env_id):
+    game = envs.Seated(envs.make(env_id))
+    game.reset(game.env.task_ids("train")[0])
+    game.step(game.env.expert_action(game.current_player))
+    copy = game.clone()
+    assert copy.env is not game.env and copy.seats == game.seats
+    moves = []
+    while not game.done and len(moves) < 12:
+        moves.append(game.env.expert_action(game.current_player))
+        game.step(moves[-1])
+    for m in moves:
+        copy.step(m)
+    assert copy.done == game.done and copy.env.payoffs() == game.env.payoffs()
+    assert repr(copy.observe(copy.players[0])) == repr(game.observe(game.players[0]))
+
+
+def test_clone_shares_read_only_tables_only():
+    env = envs.make("sokoban")
+    env.reset(env.task_ids("train")[0])
+    copy = env.clone()
+    assert copy._levels is env._levels  # the generated levels are shared
+    assert copy.trajectory is not env.trajectory  # the episode's state is not
