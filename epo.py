@@ -72,7 +72,7 @@ class Args:
 
     # model
     model_name: str = "tiny"
-    """'tiny' (the env's tiny strategist), a hub id, or a local directory"""
+    """'tiny' (the env's tiny strategist), 'smollm2-135m' (SmolLM2-135M-Instruct), a hub id or a local directory"""
     tiny_preset: str = "default"
     """tiny policy size preset: 'default' or 'micro' (builds in seconds, for tests)"""
     load_in_4bit: Optional[bool] = None
@@ -430,6 +430,14 @@ def encode(tok, text: str) -> list:
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
+def completion_text(tok, completion) -> str:
+    """The text the env reads from a completion: "" (an invalid action in every env) when it has no EOS, i.e.
+    it was cut at max_new_tokens (over-long or unfinished), else the decoded text without special tokens."""
+    if not completion or completion[-1] != tok.eos_token_id:
+        return ""
+    return tok.decode(completion, skip_special_tokens=True)
+
+
 def with_user_suffix(messages, suffix):
     """A copy of chat messages with `suffix` appended (on a new line) to the last user message."""
     out = [dict(m) for m in messages]
@@ -534,7 +542,7 @@ def rollout(model, tok, games, args, temperature, greedy=False, first_traj_id=0,
         msgs = [strategist_messages(games[g], p, episodes[(g, p)].strategies, real) for g, p in zip(live, who)]
         prompts = [encode(tok, render_prompt(tok, m)) for m in msgs]
         comps = generate(model, tok, prompts, temperature, args.max_new_tokens, greedy)
-        strategies = [strategy_of(decode(tok, c)) for c in comps]
+        strategies = [strategy_of(completion_text(tok, c)) for c in comps]
         if args.agent == "rule":
             moves = [games[g].env.rule_agent_action(p, s) for g, p, s in zip(live, who, strategies)]
         else:
@@ -542,7 +550,7 @@ def rollout(model, tok, games, args, temperature, greedy=False, first_traj_id=0,
                              for g, p, s in zip(live, who, strategies)]
             with model.disable_adapter():
                 acomps = generate(model, tok, agent_prompts, args.agent_temperature, args.agent_max_new_tokens)
-            moves = [decode(tok, c) for c in acomps]
+            moves = [completion_text(tok, c) for c in acomps]
         for k, (g, p) in enumerate(zip(live, who)):
             game, tr = games[g], episodes[(g, p)]
             tr.prompts.append(prompts[k])
