@@ -107,6 +107,8 @@ class Args:
     """training episodes: 'self' (self-chat, both roles learn) or 'rule:<style>' / 'rule:any' (one role learns)"""
     eval_num_tasks: int = 12
     """test tasks per evaluation (each played in both roles against every scripted style; 0: all)"""
+    eval_opponents: tuple[str, ...] = ()
+    """scripted opponent styles of the two-player evaluation (empty: all styles of the game)"""
     eval_every: int = 1
     """evaluate every this many iterations (and before training and at the end; 0: only those two)"""
     eval_selfplay: bool = True
@@ -904,6 +906,10 @@ def make_env(args):
     if args.train_opponent != "self" and (style is None or (style != "any" and style not in styles)):
         raise UserError(f"--train-opponent must be 'self', 'rule:any' or 'rule:<style>' with a style in "
                         f"{', '.join(styles)}; got {args.train_opponent!r}")
+    bad = [s for s in args.eval_opponents if s not in styles]
+    if bad:
+        raise UserError(f"--eval-opponents: unknown style(s) {bad}; known: "
+                        f"{', '.join(styles) or 'none (single agent)'}")
 
     def new_env(task, seats):
         return envs.Seated(envs.make(args.env_id, **kw), seats).reset(task)
@@ -983,7 +989,8 @@ def main(args: Args):
 
     def run_eval(it):
         t0 = time.time()
-        row, records = evaluate(model, tok, new_env, test_tasks, players, styles, args, not is_tiny)
+        row, records = evaluate(model, tok, new_env, test_tasks, players, list(args.eval_opponents) or styles, args,
+                                not is_tiny)
         row["perf/eval_seconds"] = time.time() - t0
         logger.log_samples(it, records)
         return row

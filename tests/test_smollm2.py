@@ -336,3 +336,55 @@ def test_cut_completion_is_an_invalid_action(smol_tok, script):
         first = [by_game[0].invalid[0], by_game[1].invalid[0]]
         assert by_game[1].strategies[0] == ""  # a cut strategy is not read
     assert first == [False, True]
+
+
+# ----------------------------------------------------------------------------------------------
+# Every script end to end on SmolLM2, plain and 4-bit, on CPU
+# ----------------------------------------------------------------------------------------------
+# The smallest budget that runs every phase once: evaluation before and after, one iteration (rollout,
+# credit, update with old/reference log-probs; iStar's PRM update, EPO's PRM, ARIA's clustering), the
+# checkpoint. One turn per episode where the script can cut it, 8 new tokens (too few for a finished
+# `<think>...</think><action>...</action>`, so most turns are cut completions: invalid actions).
+COMMON = ["--num-iterations", "1", "--eval-num-tasks", "1", "--max-new-tokens", "8", "--lora-r", "4", "--lora-alpha", "8",
+          "--torch-threads", "1"]
+E2E = {
+    "graphgpo.py": ["--tasks-per-iteration", "1", "--group-size", "2", "--max-turns", "1", "--num-minibatches", "1"],
+    "istar.py": ["--tasks-per-iteration", "1", "--group-size", "2", "--max-turns", "1", "--num-minibatches", "1"],
+    "delta_belief.py": ["--tasks-per-iteration", "1", "--group-size", "2", "--max-turns", "1", "--num-minibatches", "1",
+                        "--eval-k", "1"],
+    "aria.py": ["--games-per-iteration", "2", "--max-turns", "1", "--eval-k", "1", "--eval-opponents", "fair",
+                "--num-epochs", "1"],
+    "epo.py": ["--episodes-per-iteration", "2", "--num-epochs", "1", "--trajectories-per-step", "2",
+               "--eval-opponents", "fair", "--no-eval-selfplay"],
+}
+ADAPTERS = {"istar.py": ["default", "prm"]}
+
+
+@pytest.mark.parametrize("four_bit", [False, True], ids=["plain", "4bit"])
+@pytest.mark.parametrize("script", list(E2E))
+def test_script_runs_on_smollm2(smollm2_cache, run_method, script, four_bit):
+    run_dir = run_method(script, "--model-name", "smollm2-135m", "--load-in-4bit", str(four_bit), *COMMON, *E2E[script],
+                         timeout=1800)
+    summary = assert_run_outputs(run_dir)  # config, metrics, summary with the learning block, adapter/
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["model_name"] == "smollm2-135m" and config["load_in_4bit"] is four_bit
+    assert config["max_new_tokens"] == 8
+    rows = read_metrics(run_dir)
+    train = [r for r in rows if "perf/update_seconds" in r]
+    assert len(train) == 1 and train[0]["iteration"] == 1
+    assert train[0]["perf/rollout_seconds"] > 0 and train[0]["perf/update_seconds"] > 0
+    assert train[0]["perf/samples"] > 0
+    losses = {k: v for k, v in train[0].items() if k.startswith("losses/")}
+    assert losses and all(v is None or math.isfinite(v) for v in losses.values())
+    assert summary["first_eval"] and summary["last_eval"]
+    # the LoRA adapter of SmolLM2 was saved: every decoder linear of its 30 layers, rank 4 over hidden 576
+    adapter_config = json.loads((run_dir / "adapter" / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == str(smollm2_cache / "smollm2-135m")
+    for name in ADAPTERS.get(script, ["default"]):
+        tensors = adapter_tensors(run_dir, name)
+        assert len(tensors) == 2 * N_LAYERS * len(TARGETS), name
+        q = [t for k, t in tensors.items() if "layers.0.self_attn.q_proj.lora_A" in k]
+        assert len(q) == 1 and tuple(q[0].shape) == (4, HIDDEN)
+    # decoded episodes of the real model were logged
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines() if line.strip()]
+    assert samples
