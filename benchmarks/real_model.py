@@ -75,7 +75,8 @@ def load_avg() -> float:
         return float("nan")
 
 
-def append(record: dict, path: Path = RESULTS) -> None:
+def append(record: dict, path=RESULTS) -> None:
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {**record, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "load_avg": record.get("load_avg", load_avg())}
     with open(path, "a") as f:
@@ -309,7 +310,7 @@ def sft(args):
         for group in opt.param_groups:  # linear decay to 10%
             group["lr"] = args.sft_lr * (1.0 - 0.9 * step / max(1, args.sft_steps - 1))
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
         if step % 10 == 0 or step == args.sft_steps - 1:
             print(f"sft step {step + 1}/{args.sft_steps}: loss {loss.item():.3f} ({time.time() - t0:.0f} s)", flush=True)
     sft_seconds = time.time() - t0
@@ -477,17 +478,18 @@ def main(argv=None):
     s = p.add_argument_group("sft-rl")
     s.add_argument("--seed", type=int, default=1)
     s.add_argument("--sft-episodes", type=int, default=0, help="demonstration episodes (0: the recipe's 1500)")
-    s.add_argument("--sft-steps", type=int, default=60)
+    s.add_argument("--sft-steps", type=int, default=40)
     s.add_argument("--sft-batch", type=int, default=8)
     s.add_argument("--sft-lr", type=float, default=3e-4)
     s.add_argument("--lora-r", type=int, default=16)
-    s.add_argument("--rl-iterations", type=int, default=10)
+    s.add_argument("--rl-iterations", type=int, default=8,
+                   help="about 30 minutes of RL on 2 idle CPU cores with the other defaults")
     s.add_argument("--rl-tasks", type=int, default=2, help="tasks per iteration")
     s.add_argument("--rl-group", type=int, default=4, help="trajectories per task")
     s.add_argument("--rl-max-turns", type=int, default=8)
     s.add_argument("--rl-max-new-tokens", type=int, default=10, help="`<action>right</action>` + EOS is 8 tokens")
     s.add_argument("--rl-lr", type=float, default=5e-5)
-    s.add_argument("--eval-num-tasks", type=int, default=50, help="test tasks of the before/after evaluation")
+    s.add_argument("--eval-num-tasks", type=int, default=40, help="test tasks of the before/after evaluation")
     args = p.parse_args(argv)
     Path(args.work_dir).mkdir(parents=True, exist_ok=True)
     {"zeroshot": zeroshot, "timing": timing, "sft-rl": sft_rl, "report": lambda a: None}[args.stage](args)

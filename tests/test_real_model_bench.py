@@ -71,3 +71,19 @@ def test_report_is_built_from_the_raw_records(bench, tmp_path):
     assert text.index("| sokoban | think |") < text.index("| sokoban | action |")
     assert "| graphgpo.py | sokoban | 4-bit nf4 | 30.0 | 0.0 | 60.0 | 90.1 | 12.5 | 2.50 | 40 | eval/success 0.000 ± 0.000 | 2.0 |" in text
     assert "Not run yet: `python benchmarks/real_model.py sft-rl`" in text
+    # an SFT + RL record replaces the placeholder with its before/after row
+    learning = {"metric": "eval/success", "before": 0.2, "before_se": 0.057, "after": 0.3, "after_se": 0.065,
+                "change": 0.1, "change_se": 0.086, "fell": False}
+    sft_rl = dict(kind="sft_rl", model="smollm2-135m", script="graphgpo.py", env_id="sokoban", sft_steps=60,
+                  sft_batch=8, sft_lr=3e-4, lora_r=16, sft_examples=7000, demo_episodes=1500, demo_stats={},
+                  sft_seconds=600.0, sft_loss_first=2.6, sft_loss_last10=0.4, env_kwargs={"num_boxes": 1},
+                  rl_args=["--num-iterations", "10"], rl_wall_seconds=2000.0, rl_train_seconds=1800.0,
+                  rl_peak_rss_gb=3.0, learning=learning, first_eval={"eval/invalid_rate": 0.1},
+                  last_eval={"eval/invalid_rate": 0.05}, threads=2, load_avg=1.5)
+    with open(path, "a") as f:
+        f.write(json.dumps(sft_rl) + "\n")
+    bench.main(["report", "--results", str(path), "--report-path", str(out), "--work-dir", str(tmp_path / "w")])
+    text = out.read_text()
+    assert "Not run yet" not in text
+    assert "| eval/success | 0.200 ± 0.057 | 0.300 ± 0.065 | +0.100 ± 0.086 |" in text
+    assert "eval/invalid_rate: 0.100 -> 0.050" in text
