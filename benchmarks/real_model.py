@@ -389,8 +389,9 @@ def render_report(records) -> str:
     if zs:
         any_r = next(iter(zs.values()))
         lines += ["## Zero-shot success, greedy", "",
-                  f"Greedy episodes on the first {any_r['tasks']} test tasks of each env, to the env's own turn limit "
-                  "(two-player games: the "
+                  f"Greedy episodes on the first {any_r['tasks']} test tasks of each env, at most `turns/episode "
+                  "max` turns each (below the env's own limit only where `--max-turns` capped it, which makes success "
+                  "harder: it is success within that many turns; two-player games: the "
                   "first role against the scripted fair style). think: the envs' instruct format "
                   "(`<think>` then `<action>`); action: only `<action>...</action>`. invalid: share of turns "
                   "that were invalid actions; cut: share of completions cut at max new tokens (invalid too).", "",
