@@ -387,7 +387,7 @@ def render_report(records) -> str:
              "measured (2 cores; above 2, other jobs shared the CPU and every time is inflated).", "",
              "The committed rows are a small first run on a loaded machine: zero-shot on 2 tasks per env and at "
              "most 2 turns (`zeroshot --num-tasks 2 --max-turns 2 --think-tokens 48 --action-tokens 16 --threads 1`), "
-             "timing of GraphGPO only (`timing --scripts graphgpo.py --threads 1`). The full run on an idle "
+             "timing of GraphGPO in fp32 only (`timing --scripts graphgpo.py --precisions plain --threads 1`). The full run on an idle "
              "machine: `python benchmarks/real_model.py zeroshot && python benchmarks/real_model.py timing && "
              "python benchmarks/real_model.py sft-rl` (the new rows replace these).", ""]
     zs = latest(records, "zeroshot", lambda r: (r["env_id"], r["format"]))
