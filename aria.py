@@ -74,7 +74,7 @@ class Args:
 
     # model
     model_name: str = "tiny"
-    """'tiny' (the env's tiny local policy), a hub id, or a local directory"""
+    """'tiny' (the env's tiny local policy), 'smollm2-135m' (SmolLM2-135M-Instruct), a hub id or a local directory"""
     tiny_preset: str = "default"
     """tiny policy size preset: 'default' or 'micro' (builds in seconds, for tests)"""
     load_in_4bit: Optional[bool] = None
@@ -479,6 +479,14 @@ def encode(tok, text: str) -> list:
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
+def completion_text(tok, completion) -> str:
+    """The text the env reads from a completion: "" (an invalid action in every env) when it has no EOS, i.e.
+    it was cut at max_new_tokens (over-long or unfinished), else the decoded text without special tokens."""
+    if not completion or completion[-1] != tok.eos_token_id:
+        return ""
+    return tok.decode(completion, skip_special_tokens=True)
+
+
 def decode_action(tok, completion) -> str:
     return tok.decode(completion, skip_special_tokens=True)
 
@@ -526,7 +534,7 @@ def rollout(model, tok, new_env, task_ids, args, temperature, greedy=False):
         comps = generate(model, tok, prompts, temperature, args.max_new_tokens, greedy=greedy)
         for k, i in enumerate(active):
             text = decode_action(tok, comps[k])
-            st = games[i].step(text)
+            st = games[i].step(completion_text(tok, comps[k]))
             ep = episodes[i]
             ep.steps.append({"player": players[k], "pos": len(ep.utterances), "prompt": prompts[k],
                              "completion": comps[k], "invalid": bool(st.info.get("invalid", False))})

@@ -72,7 +72,7 @@ class Args:
 
     # model
     model_name: str = "tiny"
-    """'tiny' (the env's tiny local policy), a hub id, or a local directory"""
+    """'tiny' (the env's tiny local policy), 'smollm2-135m' (SmolLM2-135M-Instruct), a hub id or a local directory"""
     tiny_preset: str = "default"
     """tiny policy size preset: 'default' or 'micro' (builds in seconds, for tests)"""
     load_in_4bit: Optional[bool] = None
@@ -316,6 +316,14 @@ def encode(tok, text: str) -> list:
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
+def completion_text(tok, completion) -> str:
+    """The text the env reads from a completion: "" (an invalid action in every env) when it has no EOS, i.e.
+    it was cut at max_new_tokens (over-long or unfinished), else the decoded text without special tokens."""
+    if not completion or completion[-1] != tok.eos_token_id:
+        return ""
+    return tok.decode(completion, skip_special_tokens=True)
+
+
 def locate_target(tok, message: str, target: str):
     """Token ids of the elicitation `message` (tokenised on its own, cut after the target) and a 0/1 mask
     marking the target's tokens: those whose character span overlaps the target, so a BPE merge such as
@@ -432,7 +440,7 @@ def rollout(model, tok, new_env, task_ids, group_ids, args, temperature, belief_
             for k, i in enumerate(active):
                 for j in range(n):
                     c = copy.deepcopy(envs_[i])
-                    steps.append(c.step(tok.decode(comps[k * n + j], skip_special_tokens=True)))
+                    steps.append(c.step(completion_text(tok, comps[k * n + j])))
                     copies.append(c)
             need = [q for q, st in enumerate(steps) if not st.info["success"]]
             bs = np.full(len(copies), np.inf)
@@ -445,7 +453,7 @@ def rollout(model, tok, new_env, task_ids, group_ids, args, temperature, belief_
                 envs_[i] = copies[k * n + j]
                 chosen.append((comps[k * n + j], steps[k * n + j], bs[k * n + j]))
         else:
-            chosen = [(comps[k], envs_[i].step(tok.decode(comps[k], skip_special_tokens=True)), None)
+            chosen = [(comps[k], envs_[i].step(completion_text(tok, comps[k])), None)
                       for k, i in enumerate(active)]
         for k, i in enumerate(active):
             ep = episodes[i]

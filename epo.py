@@ -72,7 +72,7 @@ class Args:
 
     # model
     model_name: str = "tiny"
-    """'tiny' (the env's tiny strategist), a hub id, or a local directory"""
+    """'tiny' (the env's tiny strategist), 'smollm2-135m' (SmolLM2-135M-Instruct), a hub id or a local directory"""
     tiny_preset: str = "default"
     """tiny policy size preset: 'default' or 'micro' (builds in seconds, for tests)"""
     load_in_4bit: Optional[bool] = None
@@ -107,6 +107,8 @@ class Args:
     """training episodes: 'self' (self-chat, both roles learn) or 'rule:<style>' / 'rule:any' (one role learns)"""
     eval_num_tasks: int = 12
     """test tasks per evaluation (each played in both roles against every scripted style; 0: all)"""
+    eval_opponents: tuple[str, ...] = ()
+    """scripted opponent styles of the two-player evaluation (empty: all styles of the game)"""
     eval_every: int = 1
     """evaluate every this many iterations (and before training and at the end; 0: only those two)"""
     eval_selfplay: bool = True
@@ -430,6 +432,14 @@ def encode(tok, text: str) -> list:
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
+def completion_text(tok, completion) -> str:
+    """The text the env reads from a completion: "" (an invalid action in every env) when it has no EOS, i.e.
+    it was cut at max_new_tokens (over-long or unfinished), else the decoded text without special tokens."""
+    if not completion or completion[-1] != tok.eos_token_id:
+        return ""
+    return tok.decode(completion, skip_special_tokens=True)
+
+
 def with_user_suffix(messages, suffix):
     """A copy of chat messages with `suffix` appended (on a new line) to the last user message."""
     out = [dict(m) for m in messages]
@@ -534,7 +544,7 @@ def rollout(model, tok, games, args, temperature, greedy=False, first_traj_id=0,
         msgs = [strategist_messages(games[g], p, episodes[(g, p)].strategies, real) for g, p in zip(live, who)]
         prompts = [encode(tok, render_prompt(tok, m)) for m in msgs]
         comps = generate(model, tok, prompts, temperature, args.max_new_tokens, greedy)
-        strategies = [strategy_of(decode(tok, c)) for c in comps]
+        strategies = [strategy_of(completion_text(tok, c)) for c in comps]
         if args.agent == "rule":
             moves = [games[g].env.rule_agent_action(p, s) for g, p, s in zip(live, who, strategies)]
         else:
@@ -542,7 +552,7 @@ def rollout(model, tok, games, args, temperature, greedy=False, first_traj_id=0,
                              for g, p, s in zip(live, who, strategies)]
             with model.disable_adapter():
                 acomps = generate(model, tok, agent_prompts, args.agent_temperature, args.agent_max_new_tokens)
-            moves = [decode(tok, c) for c in acomps]
+            moves = [completion_text(tok, c) for c in acomps]
         for k, (g, p) in enumerate(zip(live, who)):
             game, tr = games[g], episodes[(g, p)]
             tr.prompts.append(prompts[k])
@@ -896,6 +906,10 @@ def make_env(args):
     if args.train_opponent != "self" and (style is None or (style != "any" and style not in styles)):
         raise UserError(f"--train-opponent must be 'self', 'rule:any' or 'rule:<style>' with a style in "
                         f"{', '.join(styles)}; got {args.train_opponent!r}")
+    bad = [s for s in args.eval_opponents if s not in styles]
+    if bad:
+        raise UserError(f"--eval-opponents: unknown style(s) {bad}; known: "
+                        f"{', '.join(styles) or 'none (single agent)'}")
 
     def new_env(task, seats):
         return envs.Seated(envs.make(args.env_id, **kw), seats).reset(task)
@@ -975,7 +989,8 @@ def main(args: Args):
 
     def run_eval(it):
         t0 = time.time()
-        row, records = evaluate(model, tok, new_env, test_tasks, players, styles, args, not is_tiny)
+        row, records = evaluate(model, tok, new_env, test_tasks, players, list(args.eval_opponents) or styles, args,
+                                not is_tiny)
         row["perf/eval_seconds"] = time.time() - t0
         logger.log_samples(it, records)
         return row

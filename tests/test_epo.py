@@ -279,3 +279,12 @@ def test_make_env_gives_reset_seated_games():
     p0, p1 = probe.players
     game = new_env(task, {p0: "policy", p1: probe.opponent_styles()[0]})
     assert isinstance(game, envs.Seated) and game.task_id == task and game.current_player == p0
+
+
+def test_eval_opponents_are_checked_against_the_games_styles():
+    import epo
+    from common.models import UserError
+
+    with pytest.raises(UserError, match=r"--eval-opponents: unknown style\(s\) \['nope'\]; known: tough, fair"):
+        epo.make_env(epo.Args(eval_opponents=("nope",)))
+    epo.make_env(epo.Args(eval_opponents=("fair",)))  # a style of the game: accepted
