@@ -144,3 +144,86 @@ def bootstrap_ci(stat: Callable, credit, a_star, clusters, reps: int = 1000, see
             vals.append(v)
     lo, hi = (np.quantile(vals, [(1 - level) / 2, (1 + level) / 2]) if vals else (float("nan"),) * 2)
     return stat(c, a), float(lo), float(hi)
+
+
+# ----------------------------------------------------------------------------------------------
+# Policies and saved states from a script's rollout
+# ----------------------------------------------------------------------------------------------
+def model_policy(script, model, tok, temperature: float, max_new_tokens: int) -> Policy:
+    """The script's own sampling (its `render_prompt`, `encode`, `generate`) as a batched Policy; a
+    seated two-player game is prompted from the seat whose turn it is."""
+    def act(envs: list) -> list:
+        msgs = [e.observe(e.current_player) if hasattr(e, "observe") else e.messages() for e in envs]
+        ids = [script.encode(tok, script.render_prompt(tok, m)) for m in msgs]
+        out = []
+        for k in range(0, len(ids), 256):
+            comps = script.generate(model, tok, ids[k:k + 256], temperature, max_new_tokens)
+            out += [tok.decode(c, skip_special_tokens=True) for c in comps]
+        return out
+    return act
+
+
+def replayed_states(new_env, task_id: str, actions: Sequence[str]) -> list:
+    """s_0 .. s_{T-1} of an episode, rebuilt by replaying its actions on a fresh env (the envs are
+    deterministic given the texts played): states[t] is the env before actions[t]."""
+    env = new_env()
+    env.reset(task_id)
+    states = []
+    for a in actions:
+        states.append(env.clone())
+        env.step(a)
+    return states
+
+
+# ----------------------------------------------------------------------------------------------
+# Methods: one batch of the script's own rollout, its credit per turn, and A* per turn
+# ----------------------------------------------------------------------------------------------
+def _import_script(name: str):
+    import importlib
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    if str(repo) not in sys.path:
+        sys.path.insert(0, str(repo))
+    return importlib.import_module(name)
+
+
+def graphgpo_batch(env_id: str, tasks: int, group: int, n: int, seed: int, argv: Sequence[str] = ()) -> dict:
+    """GraphGPO, GiGPO and GRPO credit (graphgpo.py's `compute_advantages` with each --step-advantage) on
+    one batch of `tasks` train tasks x `group` episodes of the shipped tiny policy, and A* of every turn."""
+    import torch
+    import tyro
+
+    gg = _import_script("graphgpo")
+    from common.models import load_policy
+
+    args = tyro.cli(gg.Args, args=["--env-id", env_id, "--seed", str(seed), *argv])
+    omega = gg.check_args(args)
+    rng = gg.seed_everything(seed)
+    new_env, probe, defaults, _ = gg.make_env(args)
+    max_new = args.max_new_tokens or defaults.max_new_tokens
+    model, tok = load_policy(args.model_name, env_id=env_id, tiny_preset=args.tiny_preset, load_in_4bit=False)
+    train = list(probe.task_ids("train"))
+    chosen = rng.choice(len(train), size=tasks, replace=False)
+    task_ids = [train[i] for i in chosen for _ in range(group)]
+    episodes = gg.rollout(model, tok, new_env, task_ids, [g for g in range(tasks) for _ in range(group)],
+                          args.temperature, max_new)
+    credit = {}
+    for mode, label in (("graph", "GraphGPO"), ("gigpo", "GiGPO"), ("none", "GRPO")):
+        args.step_advantage = mode
+        samples, _ = gg.compute_advantages(episodes, args, omega)
+        credit[label] = {(s["traj"], s["turn"]): s["adv"] for s in samples}
+    states, actions, keys = [], [], []
+    for ep in episodes:
+        states += replayed_states(new_env, ep.task_id, ep.actions)
+        actions += ep.actions
+        keys += [(ep.traj_id, t) for t in range(ep.length)]
+    with torch.no_grad():
+        true = mc_advantages(states, actions, model_policy(gg, model, tok, args.temperature, max_new), n,
+                             seed=seed)
+    return dict(method="graphgpo", env=env_id, episodes=len(episodes), success=float(np.mean([e.success for e in episodes])),
+                keys=keys, group_of={ep.traj_id: ep.group_id for ep in episodes},
+                group_success={g: float(np.mean([e.success for e in episodes if e.group_id == g])) for g in range(tasks)},
+                a_star=true.a_star, se=true.se, credit={k: np.array([v[key] for key in keys]) for k, v in credit.items()},
+                method_label="GraphGPO", baseline_labels=("GRPO", "GiGPO"))
