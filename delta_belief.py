@@ -88,7 +88,7 @@ class Args:
     max_new_tokens: Optional[int] = None
     """most tokens generated per turn; None: 50 (official) for a real model, 24 for the tiny policy"""
     temperature: Optional[float] = None
-    """sampling temperature of the rollouts; None: 1.0 (paper), the tiny policy's RL temperature (20Q: 1.3)"""
+    """sampling temperature of the rollouts; None: 1.0 (paper), the tiny policy's RL temperature (20Q: 1.5)"""
     eval_temperature: Optional[float] = None
     """sampling temperature of the sampled evaluation (greedy is evaluated as well); None: --temperature's"""
 
@@ -870,7 +870,7 @@ def main(args: Args):
     belief_message = belief_message_for(args.belief_template, probe, is_tiny)
     if args.max_new_tokens is None:
         args.max_new_tokens = defaults.max_new_tokens
-    if args.temperature is None:  # the tiny 20Q policy samples at 1.3 (common.tiny.RL_TEMPERATURE)
+    if args.temperature is None:  # the tiny 20Q policy samples at 1.5 (common.tiny.RL_TEMPERATURE)
         args.temperature = defaults.temperature
     if args.eval_temperature is None:
         args.eval_temperature = args.temperature

@@ -7,7 +7,7 @@ expert's move at demonstration states of the train tasks), far more signal per s
 gradient gets; if this does not raise sampled success, RL on the same adapter at the same budget
 cannot either (docs/learning.md, "Twenty Questions and Negotiation").
 
-    python benchmarks/sharpen_check.py --env-id twenty_questions --temperature 1.3 --lr 5e-4 --steps 300
+    python benchmarks/sharpen_check.py --env-id twenty_questions --lr 5e-4 --steps 300   # at the RL temperature
     python benchmarks/sharpen_check.py --env-id twenty_questions --train lora+norm      # final norm trainable too
     python benchmarks/sharpen_check.py --env-id twenty_questions --model-name DIR --temperature 1.0
 
@@ -43,7 +43,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--env-id", default="twenty_questions")
     p.add_argument("--model-name", default="tiny", help="'tiny' (the env's default tiny policy) or a checkpoint dir")
-    p.add_argument("--temperature", type=float, default=1.3, help="sampling and scoring temperature")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="sampling and scoring temperature (default: the policy's RL temperature, common.tiny.RL_TEMPERATURE)")
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=32)
@@ -52,7 +53,8 @@ def main(argv=None):
     p.add_argument("--eval-k", type=int, default=4, help="sampled episodes per evaluation task")
     p.add_argument("--eval-split", choices=["test", "train"], default="test",
                    help="evaluate on the test tasks, or on the train tasks the labels come from")
-    p.add_argument("--eval-num-tasks", type=int, default=48, help="evaluation tasks (the first N of the split)")
+    p.add_argument("--eval-num-tasks", type=int, default=0,
+                   help="evaluation tasks: N spread evenly over the split (0: all of it)")
     p.add_argument("--demo-episodes", type=int, default=600)
     p.add_argument("--seed", type=int, default=1)
     a = p.parse_args(argv)
@@ -68,14 +70,19 @@ def main(argv=None):
                 q.requires_grad_(True)
     d = policy_defaults(a.model_name, a.env_id, learning_rate=a.lr, max_new_tokens=24)
     kw, max_new = dict(d.env_kwargs), d.max_new_tokens
-    ckpt = tiny.checkpoint_dir(a.env_id) if a.model_name == "tiny" else Path(a.model_name)
+    if a.temperature is None:
+        a.temperature = d.temperature
+    # the checkpoint load_policy loaded (the shipped weights, else the cached build)
+    ckpt = tiny.ensure_tiny(a.env_id, progress=False) if a.model_name == "tiny" else Path(a.model_name)
     # demonstrations of the build's kind on the train tasks only (another seed), labels = the expert's move
     recipe = dict(tiny.read_meta(ckpt)["recipe"], demo_split="train", demo_episodes=a.demo_episodes,
                   seed=123, label_noise=0.0)
     demos, _ = tiny.collect_demos(a.env_id, recipe, progress=False)
     examples = [(D.encode(tok, D.render_prompt(tok, m)), D.encode(tok, act) + [tok.eos_token_id])
                 for m, act in demos]
-    test = list(envs.make(a.env_id, **kw).task_ids(a.eval_split))[: a.eval_num_tasks]
+    split = list(envs.make(a.env_id, **kw).task_ids(a.eval_split))
+    n = a.eval_num_tasks or len(split)
+    test = [split[i * len(split) // n] for i in range(min(n, len(split)))]  # spread over the split's order
 
     def evaluate():
         torch.manual_seed(1000)  # the same sampling draws at every evaluation of every run

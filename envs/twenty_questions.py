@@ -50,6 +50,23 @@ of them with the default `history=None`; the last `history` ones otherwise; `num
 each as one "<question> <answer>" line, without the number and the Q:/A: markers), the list of still
 possible words once at most `show_candidates` are left (0 turns it off; the secret vocabulary is
 otherwise never shown), and the turn counter.
+
+Compound secrets (`secrets="compound"`; `envs/data/twenty_questions_compound.json`). The secret is a thing
+of some colour, "<colour> <thing>" ("red cat"): one of 16 things (animals, vehicles, furniture, household
+objects) in one of 16 colours, 256 secrets. Each part has its own yes/no features (things: "Is it an
+animal?", "Can it fly?", "Does it bark?", ...; colours: "Is it a warm colour?", "Is it a colour of the
+rainbow?", "Is it a dark colour?", ...), each true for the items the file lists. The test secrets are the
+combinations (thing i, colour j) with (i - j) % 5 == 0: 52 secrets, every thing and every colour in 3-4
+of them and in 12-13 train secrets, so a test secret is an unseen combination of parts that the train
+secrets all show. The same rules as the word game, except step 4: a question that names a colour and a
+thing is a guess ("Is it a red cat?", "Is it an orange plane?"; any article); naming a thing alone or a
+colour alone asks about that part ("Is it a cat?", "Is it red?": the identity attributes "thing=cat",
+"colour=red", answered Yes or No and kept as facts; with a feature as well, "Is it a red animal?", or two
+things or two colours: Invalid). The expert
+finds the thing first, then the colour: the most balanced split over the consistent secrets among the
+thing's features while the thing is open, then among the colour's; its first question is always "Is it
+an animal?", and its next depends on the answers (7-9 questions, then the guess). `state_key`, progress
+(N = 256) and the prompt are as above; the still-possible secrets are listed as "Possible secrets: ...".
 """
 
 from __future__ import annotations
@@ -299,6 +316,40 @@ class Table(NamedTuple):
     patterns: list[tuple[re.Pattern, str, object]]  # (regex, kind, payload), kind in attr/word/block
 
 
+def compile_patterns(keywords: dict[str, list[str]], name_groups: list[dict], unsupported: list[str]) -> list:
+    """The matching patterns of a table: (regex, kind, payload) with kind "attr" (payload (attr, positive);
+    a phrase under "not:" asks for the negation), "word" (payload: compact surface form -> name) or "block"
+    (an unsupported property). Each of `name_groups` maps a name (any hashable) to its forms; a group's forms
+    and their regular plurals make one alternation, longest first (so "ice cream" beats "ice", "cats" beats
+    "cat"), and the matched text without spaces and hyphens names the name."""
+    patterns: list[tuple[re.Pattern, str, object]] = []
+
+    def add(rx: str, kind: str, payload) -> None:
+        patterns.append((re.compile(r"(?<![a-z0-9'-])(?:" + rx + r")(?![a-z0-9'-])"), kind, payload))
+
+    for attr, phrases in keywords.items():
+        for p in phrases:
+            neg = p.startswith("not:")
+            add(p[4:] if neg else p, "attr", (attr, not neg))
+    for group in name_groups:
+        surface: dict[str, object] = {}
+        for name, forms in group.items():
+            for form in forms:
+                for s in _plurals(form):
+                    assert surface.get(s, name) == name, f"surface form {s!r} names both {surface[s]!r} and {name!r}"
+                    surface[s] = name
+        forms = sorted(surface, key=lambda f: (-len(f), f))
+        compact: dict[str, object] = {}
+        for f, name in surface.items():
+            c = re.sub(r"[ -]", "", f)
+            assert compact.setdefault(c, name) == name, f"surface form {f!r} names both {compact[c]!r} and {name!r}"
+        add("|".join(re.escape(f).replace(r"\ ", r"[ -]?").replace(r"\-", r"[ -]?") for f in forms), "word",
+            compact)
+    for rx in unsupported:
+        add(rx, "block", None)
+    return patterns
+
+
 @lru_cache(maxsize=None)
 def load_table() -> Table:
     """Read the word table and the attribute definitions, and compile the matching patterns."""
@@ -314,33 +365,9 @@ def load_table() -> Table:
             categories[w], splits[w], articles[w] = row["category"], row["split"], row["article"]
             variants[w] = [v for v in row["variants"].split(";") if v]
             values[w] = {a: row[a] == "1" for a in attributes}
-    patterns: list[tuple[re.Pattern, str, object]] = []
-
-    def add(rx: str, kind: str, payload) -> None:
-        patterns.append((re.compile(r"(?<![a-z0-9'-])(?:" + rx + r")(?![a-z0-9'-])"), kind, payload))
-
-    for attr, phrases in KEYWORDS.items():
-        assert attr in questions, attr
-        for p in phrases:
-            neg = p.startswith("not:")
-            add(p[4:] if neg else p, "attr", (attr, not neg))
-    surface: dict[str, str] = {}
-    for w in words:
-        for form in [w] + variants[w]:
-            for s in _plurals(form):
-                assert surface.get(s, w) == w, f"surface form {s!r} names both {surface[s]!r} and {w!r}"
-                surface[s] = w
-    # All word forms in one alternation, longest first (so "ice cream" beats "ice", "cats" beats
-    # "cat"); the matched text, without spaces and hyphens, names the word.
-    forms = sorted(surface, key=lambda f: (-len(f), f))
-    compact: dict[str, str] = {}
-    for f, w in surface.items():
-        c = re.sub(r"[ -]", "", f)
-        assert compact.setdefault(c, w) == w, f"surface form {f!r} names both {compact[c]!r} and {w!r}"
-    add("|".join(re.escape(f).replace(r"\ ", r"[ -]?").replace(r"\-", r"[ -]?") for f in forms), "word",
-        compact)
-    for rx in UNSUPPORTED:
-        add(rx, "block", None)
+    names = {w: [w] + variants[w] for w in words}
+    patterns = compile_patterns(KEYWORDS, [names], UNSUPPORTED)
+    assert all(attr in questions for attr in KEYWORDS)
     return Table(words, categories, splits, articles, variants, attributes, questions, definitions,
                  values, patterns)
 
@@ -348,36 +375,42 @@ def load_table() -> Table:
 _KIND_RANK = {"attr": 0, "word": 1, "block": 2}
 
 
-def parse_question(text: str) -> Parsed:
-    """Read one question (any string) into what it asks, independent of the secret (see module doc)."""
+def question_body(text) -> tuple[str, Optional[Parsed]]:
+    """The form checks of step 2 of the module docstring, shared by both kinds of secret: (the normalised
+    body of the one question, None), or ("", an invalid Parsed with its reason)."""
     if not isinstance(text, str):
-        return Parsed("invalid", reason="not text")
+        return "", Parsed("invalid", reason="not text")
     raw = text.strip()
     if not raw:
-        return Parsed("invalid", reason="empty")
+        return "", Parsed("invalid", reason="empty")
     if len(raw) > MAX_QUESTION_CHARS:
-        return Parsed("invalid", reason="too long")
+        return "", Parsed("invalid", reason="too long")
     t = unicodedata.normalize("NFKC", raw).lower().replace("\u2019", "'").replace("\u2018", "'")
     t = _PREFIX.sub("", t).strip()
     if t.count("?") > 1:
-        return Parsed("invalid", reason="more than one question")
+        return "", Parsed("invalid", reason="more than one question")
     sentences = [s for s in re.split(r"[?.!;\n]+", t) if s.strip(" \t\"'()[]*")]
     if len(sentences) != 1:
-        return Parsed("invalid", reason="not a single question")
+        return "", Parsed("invalid", reason="not a single question")
     body = re.sub(r"[^a-z0-9'\- ]+", " ", sentences[0])
     body = " ".join(re.sub(r"(?<![a-z])'|'(?![a-z])", " ", body).split())  # quotes, not apostrophes
     first = body.split(" ", 1)[0] if body else ""
     if first in _WH:
-        return Parsed("invalid", reason="not a yes/no question")
+        return "", Parsed("invalid", reason="not a yes/no question")
     if not t.rstrip(" \"')*").endswith("?") and first not in _AUX:
-        return Parsed("invalid", reason="not a question")
+        return "", Parsed("invalid", reason="not a question")
     if _SECOND_Q.search(body):
-        return Parsed("invalid", reason="more than one question")
+        return "", Parsed("invalid", reason="more than one question")
     if _NEGATION.search(body):
-        return Parsed("invalid", reason="negated question")
-    table = load_table()
+        return "", Parsed("invalid", reason="negated question")
+    return body, None
+
+
+def match_phrases(body: str, patterns) -> tuple[set, set, bool]:
+    """Step 3: the attributes (attr, positive), the names and whether an unsupported property is matched in
+    `body`; where matches overlap the longest wins (on equal length: attribute, then name, then block)."""
     found = []
-    for rx, kind, payload in table.patterns:
+    for rx, kind, payload in patterns:
         for m in rx.finditer(body):
             if m.end() > m.start():
                 found.append((m.end() - m.start(), -_KIND_RANK[kind], -m.start(), m.start(), m.end(), kind, payload))
@@ -394,6 +427,15 @@ def parse_question(text: str) -> Parsed:
             named.add(payload[re.sub(r"[ -]", "", body[s:e])])
         else:
             blocked = True
+    return attrs, named, blocked
+
+
+def parse_question(text: str) -> Parsed:
+    """Read one question (any string) into what it asks, independent of the secret (see module doc)."""
+    body, invalid = question_body(text)
+    if invalid is not None:
+        return invalid
+    attrs, named, blocked = match_phrases(body, load_table().patterns)
     if len(named) > 1:
         return Parsed("invalid", reason="several guesses")
     if named:
@@ -414,35 +456,195 @@ def guess_question(word: str) -> str:
     return f"Is it {word}?" if art in ("-", "") else f"Is it {art} {word}?"
 
 
+# ----------------------------------------------------------------------------------------------
+# Compound secrets (secrets="compound"): "<colour> <thing>", every part seen in the train secrets
+# ----------------------------------------------------------------------------------------------
+COMPOUND_FILE = DATA_DIR / "twenty_questions_compound.json"
+# Bump the number when the compound answerer's rules or its split change; the data hash follows the file.
+COMPOUND_VERSION = "c1." + hashlib.sha256(COMPOUND_FILE.read_bytes()).hexdigest()[:8]
+COMPOUND_TEST_EVERY = 5  # secret (colour j, thing i) is a test secret when (i - j) % 5 == 0
+
+_COLOUR = r"colou?r(?:ed|s)?"
+
+
+def _colour_phrases(adjective: str) -> list[str]:
+    """"warm colour", "warm-coloured", "its colour is warm", "colour that is warm"."""
+    return [adjective + r"[ -]" + _COLOUR, _COLOUR + r" (?:is |that is |which is )?" + adjective]
+
+
+COMPOUND_KEYWORDS: dict[str, list[str]] = {
+    "animal": [r"animals?", r"creatures?", r"beasts?", r"alive", r"living(?: things?| beings?| creatures?)?"],
+    "vehicle": [r"vehicles?", r"means of transport(?:ation)?"],
+    "mammal": [r"mammals?", r"mammalian"],
+    "fly": [r"fly", r"flies", r"flying", r"airborne"],
+    "water": [r"(?:live|lives|living|found) in (?:the )?(?:water|sea|ocean|river|pond|lake)s?", r"aquatic",
+              r"water animals?"],
+    "pet": [r"pets?", r"kept as (?:a )?pets?", r"house ?pets?"],
+    "ride": [r"ride(?: it| on it| in it| on| in)?", r"ridden", r"riding"],
+    "engine": [r"engines?", r"motors?", r"motori[sz]ed"],
+    "furniture": [r"furniture", r"piece of furniture"],
+    "wear": [r"wear(?: it)?", r"worn", r"wearable", r"clothing", r"clothes"],
+    "legs": [r"legs?", r"legged"],
+    "wheels": [r"wheels?", r"wheeled"],
+    "handheld": [r"hold(?: it)? in (?:one|your|a|my) hand", r"hand-?held", r"fits? in (?:your |one |a |my )?hand"],
+    "feathers": [r"feathers?", r"feathered"],
+    "bark": [r"barks?", r"barking"],
+    "hoot": [r"hoots?", r"hooting"],
+    "sleep": [r"sleep(?:s)? (?:on|in)(?: it)?", r"for sleeping", r"sleeping on"],
+    "warm": _colour_phrases("warm") + ["not:" + p for p in _colour_phrases("cool")],
+    "rainbow": [_COLOUR + r" of (?:the |a )?rainbow", r"(?:in|on) (?:the |a )?rainbow", r"rainbow " + _COLOUR],
+    "dark": _colour_phrases("dark"),
+    "light": _colour_phrases("(?:light|pale)"),
+    "neutral": _colour_phrases("neutral"),
+    "metallic": _colour_phrases("(?:metallic|metal)") + [r"metallic"],
+    "primary": _colour_phrases("primary"),
+}
+
+# Properties the compound table does not hold (size, danger, blood temperature, a bare "colour", ...): Invalid.
+COMPOUND_UNSUPPORTED = [r"big", r"small", r"large", r"tiny", r"huge", r"little", r"heavy", r"wild", r"dangerous",
+                        r"domestic(?:ated)?", r"warm-?blooded", r"cold-?blooded", r"fast", r"slow", r"expensive",
+                        r"cheap", r"bright", r"colou?r(?:ed|s|ful)?", r"shades?",
+                        r"(?:one|two|three|four|five|six|\d+) (?:legs|wheels|feet)",
+                        r"(?:bigger|larger|smaller|heavier|lighter|taller|shorter|faster|slower) than"]
+
+
+class CompoundTable(NamedTuple):
+    words: list[str]  # the secrets "<colour> <thing>", thing by thing
+    splits: dict[str, str]
+    articles: dict[str, str]  # "a" or "an"
+    parts: dict[str, list[str]]  # "thing" -> the things, "colour" -> the colours
+    features: dict[str, list[str]]  # part -> its feature attributes in file order (the expert asks in this order)
+    attributes: list[str]  # the features, then the identity attributes "thing=cat", "colour=red"
+    questions: dict[str, str]
+    definitions: dict[str, str]
+    values: dict[str, dict[str, bool]]  # secret -> attribute -> value
+    patterns: list[tuple[re.Pattern, str, object]]
+
+
+@lru_cache(maxsize=None)
+def load_compound_table() -> CompoundTable:
+    """Read the parts, their items and features, build every secret, its attribute values and its split."""
+    meta = json.loads(COMPOUND_FILE.read_text())
+    part_data = {p["name"]: p for p in meta["parts"]}
+    assert sorted(part_data) == ["colour", "thing"], sorted(part_data)
+    parts = {name: [it["name"] for it in part_data[name]["items"]] for name in ("thing", "colour")}
+    features = {name: [f["name"] for f in part_data[name]["features"]] for name in ("thing", "colour")}
+    questions, definitions, truth = {}, {}, {}
+    for name in ("thing", "colour"):
+        for f in part_data[name]["features"]:
+            assert f["name"] not in questions and set(f["true"]) <= set(parts[name]), f["name"]
+            questions[f["name"]], definitions[f["name"]], truth[f["name"]] = f["question"], f["definition"], set(f["true"])
+    identity = [f"{name}={item}" for name in ("thing", "colour") for item in parts[name]]
+    for name in ("thing", "colour"):
+        for item in parts[name]:
+            art = "an" if item[0] in "aeiou" else "a"
+            questions[f"{name}={item}"] = f"Is it {art} {item}?" if name == "thing" else f"Is it {item}?"
+            definitions[f"{name}={item}"] = f"the {name} is {item}"
+    words, splits, articles, values = [], {}, {}, {}
+    for i, thing in enumerate(parts["thing"]):
+        for j, colour in enumerate(parts["colour"]):
+            w = f"{colour} {thing}"
+            words.append(w)
+            splits[w] = "test" if (i - j) % COMPOUND_TEST_EVERY == 0 else "train"
+            articles[w] = "an" if colour[0] in "aeiou" else "a"
+            values[w] = {**{a: thing in truth[a] for a in features["thing"]},
+                         **{a: colour in truth[a] for a in features["colour"]},
+                         **{f"thing={t}": t == thing for t in parts["thing"]},
+                         **{f"colour={c}": c == colour for c in parts["colour"]}}
+    assert set(COMPOUND_KEYWORDS) == set(features["thing"]) | set(features["colour"])
+    name_groups = [{(name, it["name"]): [it["name"]] + it["variants"] for it in part_data[name]["items"]}
+                   for name in ("thing", "colour")]
+    patterns = compile_patterns(COMPOUND_KEYWORDS, name_groups, COMPOUND_UNSUPPORTED)
+    return CompoundTable(words, splits, articles, parts, features, features["thing"] + features["colour"] + identity,
+                         questions, definitions, values, patterns)
+
+
+def parse_compound_question(text) -> Parsed:
+    """Read one question about a compound secret: a guess names a colour and a thing ("Is it a red cat?");
+    naming only a thing or only a colour asks about that part ("Is it a cat?", "Is it red?": attribute
+    "thing=cat" / "colour=red"); otherwise as `parse_question`, with the compound table's features."""
+    body, invalid = question_body(text)
+    if invalid is not None:
+        return invalid
+    attrs, named, blocked = match_phrases(body, load_compound_table().patterns)
+    things = [item for part, item in named if part == "thing"]
+    colours = [item for part, item in named if part == "colour"]
+    if len(things) > 1 or len(colours) > 1:
+        return Parsed("invalid", reason="several guesses")
+    if things and colours:
+        return Parsed("guess", word=f"{colours[0]} {things[0]}")
+    if named and attrs:  # "Is it a red animal?": two properties at once
+        return Parsed("invalid", reason="several properties")
+    if named:
+        part, item = named.pop()
+        return Parsed("attribute", attr=f"{part}={item}")
+    if blocked:
+        return Parsed("invalid", reason="unsupported property")
+    if not attrs:
+        return Parsed("invalid", reason="nothing understood")
+    if len(attrs) > 1:
+        return Parsed("invalid", reason="several properties")
+    attr, positive = attrs.pop()
+    return Parsed("attribute", attr=attr, positive=positive)
+
+
+_ANSWERS_RULE = (
+    "The answerer replies Yes, No, Finished (you named the secret: you win), Repeated (you already asked this "
+    "question) or Invalid (not a single yes/no question it understands: two questions, a negated question, "
+    "several properties or guesses at once, or a property it does not know). You have at most 20 questions. ")
+
+
 class TwentyQuestionsEnv(QuestionGameEnv):
-    """Twenty Questions against the rule-based answerer (see the module docstring)."""
+    """Twenty Questions against the rule-based answerer (see the module docstring). `secrets="word"` (the
+    default): the secret is a noun of the word table; `secrets="compound"`: a thing of some colour."""
 
     env_id = "twenty_questions"
-    candidates_label = "words"
-    version = VERSION
     max_turns = MAX_QUESTIONS
-    task_prompt = ('Twenty Questions: find the secret word with yes/no questions, '
-                   'then guess it with "Is it a <word>?".')
-    system_prompt = (
+
+    WORD_TASK_PROMPT = ('Twenty Questions: find the secret word with yes/no questions, '
+                        'then guess it with "Is it a <word>?".')
+    WORD_SYSTEM_PROMPT = (
         "You are the questioner in a game of Twenty Questions. The secret is a common concrete noun: "
         "an animal, plant, food, drink, tool, vehicle, piece of furniture, piece of clothing, household "
         "object, building or natural thing. Each turn ask exactly one yes/no question about one "
         "property, for example \"Is it an animal?\", \"Is it bigger than a breadbox?\", \"Is it made "
         "of metal?\", \"Can you eat it?\". To guess, ask \"Is it a <word>?\"; a wrong guess counts as "
-        "a question. The answerer replies Yes, No, Finished (you named the secret: you win), "
-        "Repeated (you already asked this question) or Invalid (not a single yes/no question it "
-        "understands: two questions, a negated question, several properties or guesses at once, or "
-        "a property it does not know). You have at most 20 questions. " + INSTRUCT_FORMAT
+        "a question. " + _ANSWERS_RULE + INSTRUCT_FORMAT
     )
+    COMPOUND_TASK_PROMPT = ('Twenty Questions: find the secret thing and its colour with yes/no questions, '
+                            'then guess it with "Is it a <colour> <thing>?".')
 
     def __init__(self, history: Optional[int] = None, show_candidates: int = 5, instructions: bool = True,
-                 numbered: bool = True):
+                 numbered: bool = True, secrets: str = "word"):
         super().__init__(history=history, show_candidates=show_candidates, instructions=instructions,
                          numbered=numbered)
-        self.table = load_table()
+        if secrets == "word":
+            self.table = load_table()
+            self._parse = parse_question
+            self.expert_groups = [list(self.table.attributes)]
+            self.version = VERSION
+            self.candidates_label = "words"
+            self.task_prompt, self.system_prompt = self.WORD_TASK_PROMPT, self.WORD_SYSTEM_PROMPT
+        elif secrets == "compound":
+            self.table = load_compound_table()
+            self._parse = parse_compound_question
+            self.expert_groups = [self.table.features["thing"], self.table.features["colour"]]
+            self.version = COMPOUND_VERSION
+            self.candidates_label = "secrets"
+            self.task_prompt = self.COMPOUND_TASK_PROMPT
+            self.system_prompt = (
+                "You are the questioner in a game of Twenty Questions. The secret is a thing of some colour, such "
+                "as \"a red cat\": one of the things " + ", ".join(self.table.parts["thing"]) + " in one of the "
+                "colours " + ", ".join(self.table.parts["colour"]) + ". Each turn ask exactly one yes/no question "
+                "about one property of the thing or of its colour, for example \"Is it an animal?\", \"Can it "
+                "fly?\", \"Is it a warm colour?\", \"Is it a colour of the rainbow?\". To guess, ask \"Is it a "
+                "<colour> <thing>?\"; a wrong guess counts as a question. " + _ANSWERS_RULE + INSTRUCT_FORMAT)
+        else:
+            raise ValueError(f"secrets must be 'word' or 'compound', got {secrets!r}")
+        self.secrets = secrets
         self.words = list(self.table.words)
         self.attributes = list(self.table.attributes)
-        self.canonical_questions = [self.table.questions[a] for a in self.attributes]
+        self.canonical_questions = [self.table.questions[a] for group in self.expert_groups for a in group]
         self.guess_targets = list(self.words)
         self.target: Optional[str] = None
         self.facts: dict[str, bool] = {}
@@ -453,8 +655,8 @@ class TwentyQuestionsEnv(QuestionGameEnv):
     # -- protocol ------------------------------------------------------------------------------
     def _reset(self, task_id: str) -> str:
         if task_id not in self.table.values:
-            raise ValueError(f"unknown twenty_questions task id {task_id!r}; the ids are the words listed "
-                             f"by task_ids('train') and task_ids('test')")
+            raise ValueError(f"unknown twenty_questions task id {task_id!r}; the ids are the secrets "
+                             f"({self.secrets} secrets) listed by task_ids('train') and task_ids('test')")
         self.target = task_id
         self.facts, self.guessed, self.asked, self.solved = {}, [], set(), False
         return "Ask your first question."
@@ -462,7 +664,7 @@ class TwentyQuestionsEnv(QuestionGameEnv):
     def _step(self, action: str) -> Step:
         info = {"success": False, "invalid": False, "repeated": False, "attribute": None, "guess": None}
         key = normalize_question(action)
-        parsed = parse_question(action)
+        parsed = self._parse(action)
         if parsed.kind != "invalid" and key in self.asked:
             answer = REPEATED
             info["repeated"] = True
@@ -509,17 +711,20 @@ class TwentyQuestionsEnv(QuestionGameEnv):
     def expert_action(self) -> str:
         cands = self.candidates()
         if len(cands) <= 1:
-            return guess_question(cands[0] if cands else self.target)
-        best, best_score = None, 0
+            return self.guess_text(cands[0] if cands else self.target)
         vals = self.table.values
-        for a in self.attributes:
-            yes = sum(vals[w][a] for w in cands)
-            score = min(yes, len(cands) - yes)
-            if score > best_score:
-                best, best_score = a, score
-        if best is None:
-            return guess_question(cands[0])
-        return self.table.questions[best]
+        for group in self.expert_groups:  # the word game: one group; compound: the thing's, then the colour's
+            best, best_score = None, 0
+            for a in group:
+                yes = sum(vals[w][a] for w in cands)
+                score = min(yes, len(cands) - yes)
+                if score > best_score:
+                    best, best_score = a, score
+            if best is not None:
+                return self.table.questions[best]
+        return self.guess_text(cands[0])
 
     def guess_text(self, target: str) -> str:
-        return guess_question(target)
+        """The canonical guess: "Is it a cat?", "Is it rice?" (word game); "Is it an orange cat?" (compound)."""
+        art = self.table.articles.get(target, "a")
+        return f"Is it {target}?" if art in ("-", "") else f"Is it {art} {target}?"

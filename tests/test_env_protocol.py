@@ -19,6 +19,16 @@ from envs import INSTRUCT_FORMAT, Step
 
 SINGLE = [e for e in envs.available() if e not in envs.TWO_PLAYER]
 TWO = [e for e in envs.available() if e in envs.TWO_PLAYER]
+# Env options that change what a single-agent env simulates (its tasks, answers, expert), not only its
+# prompt: each is checked as an env of its own, under the name "<env id>[<options>]".
+VARIANTS = {"twenty_questions[secrets=compound]": ("twenty_questions", {"secrets": "compound"})}
+SINGLE_CASES = SINGLE + [name for name, (env_id, _) in VARIANTS.items() if env_id in SINGLE]
+
+
+def make(case: str):
+    """The env of a case of SINGLE_CASES: an env id, or a name of VARIANTS."""
+    env_id, options = VARIANTS.get(case, (case, {}))
+    return envs.make(env_id, **options)
 
 HOSTILE = [
     "", " ", "\n", "\t\t", "x" * 100_000, "up" * 50_000, "<action>" * 1000,
@@ -100,21 +110,21 @@ def test_some_single_agent_env_exists():
 # ----------------------------------------------------------------------------------------------
 # Single-agent envs
 # ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("env_id", SINGLE)
+@pytest.mark.parametrize("env_id", SINGLE_CASES)
 def test_splits_nonempty_disjoint_and_stable(env_id):
-    env = envs.make(env_id)
+    env = make(env_id)
     train, test = list(env.task_ids("train")), list(env.task_ids("test"))
     assert train and test
     assert all(isinstance(t, str) for t in train + test)
     assert not set(train) & set(test)
     assert len(set(train)) == len(train) and len(set(test)) == len(test)
-    other = envs.make(env_id)
+    other = make(env_id)
     assert list(other.task_ids("train")) == train and list(other.task_ids("test")) == test
 
 
-@pytest.mark.parametrize("env_id", SINGLE)
+@pytest.mark.parametrize("env_id", SINGLE_CASES)
 def test_reset_is_deterministic_per_task(env_id):
-    a, b = envs.make(env_id), envs.make(env_id)
+    a, b = make(env_id), make(env_id)
     tasks = some_tasks(a, "train", 3) + some_tasks(a, "test", 3)
     first = []
     for task in tasks:
@@ -127,9 +137,9 @@ def test_reset_is_deterministic_per_task(env_id):
         assert b.messages() == msgs_a
 
 
-@pytest.mark.parametrize("env_id", SINGLE)
+@pytest.mark.parametrize("env_id", SINGLE_CASES)
 def test_prompts(env_id):
-    env = envs.make(env_id)
+    env = make(env_id)
     assert isinstance(env.system_prompt, str) and env.system_prompt.endswith(INSTRUCT_FORMAT)
     assert isinstance(env.task_prompt, str)
     assert isinstance(env.max_turns, int) and env.max_turns >= 1
@@ -137,9 +147,9 @@ def test_prompts(env_id):
     check_messages(env.messages())
 
 
-@pytest.mark.parametrize("env_id", SINGLE)
+@pytest.mark.parametrize("env_id", SINGLE_CASES)
 def test_hostile_strings_give_valid_steps(env_id):
-    env = envs.make(env_id)
+    env = make(env_id)
     tasks = some_tasks(env, "train", 20)
     env.reset(tasks[0])
     canonical = env.admissible_actions() or []
@@ -153,9 +163,9 @@ def test_hostile_strings_give_valid_steps(env_id):
     check_messages(env.messages())
 
 
-@pytest.mark.parametrize("env_id", SINGLE)
+@pytest.mark.parametrize("env_id", SINGLE_CASES)
 def test_empty_action_is_invalid_and_episode_goes_on(env_id):
-    env = envs.make(env_id)
+    env = make(env_id)
     env.reset(some_tasks(env, "test", 1)[0])
     step = env.step("")
     check_step(step)
@@ -164,9 +174,9 @@ def test_empty_action_is_invalid_and_episode_goes_on(env_id):
     assert step.done is (env.max_turns == 1)
 
 
-@pytest.mark.parametrize("env_id", SINGLE)
+@pytest.mark.parametrize("env_id", SINGLE_CASES)
 def test_admissible_actions_are_valid(env_id):
-    env = envs.make(env_id)
+    env = make(env_id)
     task = some_tasks(env, "test", 1)[0]
     env.reset(task)
     acts = env.admissible_actions()
@@ -180,9 +190,9 @@ def test_admissible_actions_are_valid(env_id):
         assert env.step(f"<think>ok</think><action>{act}</action>").info["invalid"] is False
 
 
-@pytest.mark.parametrize("env_id", SINGLE)
+@pytest.mark.parametrize("env_id", SINGLE_CASES)
 def test_stepping_after_done_does_not_raise(env_id):
-    env = envs.make(env_id)
+    env = make(env_id)
     env.reset(some_tasks(env, "test", 1)[0])
     step = None
     for _ in range(env.max_turns + 5):
@@ -198,9 +208,9 @@ def test_stepping_after_done_does_not_raise(env_id):
     check_messages(env.messages())
 
 
-@pytest.mark.parametrize("env_id", SINGLE)
+@pytest.mark.parametrize("env_id", SINGLE_CASES)
 def test_state_key_hashable_and_stable_across_replays(env_id):
-    a, b = envs.make(env_id), envs.make(env_id)
+    a, b = make(env_id), make(env_id)
     rng = random.Random(7)
     for task in some_tasks(a, "train", 3):
         a.reset(task)
@@ -217,9 +227,9 @@ def test_state_key_hashable_and_stable_across_replays(env_id):
         assert b.done
 
 
-@pytest.mark.parametrize("env_id", SINGLE)
+@pytest.mark.parametrize("env_id", SINGLE_CASES)
 def test_expert_wins_some_test_tasks(env_id):
-    env = envs.make(env_id)
+    env = make(env_id)
     wins = 0
     tasks = some_tasks(env, "test", 5)
     for task in tasks:
@@ -354,9 +364,9 @@ def test_two_player_outcome_hooks(env_id):
         assert 0.0 <= game.progress(p) <= 1.0 and 0.0 <= game.scores()[p] <= 10.0
 
 
-@pytest.mark.parametrize("env_id", SINGLE)
+@pytest.mark.parametrize("env_id", SINGLE_CASES)
 def test_guess_text_only_where_the_env_has_guesses(env_id):
-    env = envs.make(env_id)
+    env = make(env_id)
     env.reset(env.task_ids("test")[0])
     guess = env.guess_text(env.task_ids("test")[0])
     assert guess is None or (isinstance(guess, str) and not env.step(guess).info["invalid"])

@@ -443,7 +443,7 @@ def test_policy_defaults_tiny_name_dir_and_real_model(tmp_path, random_llama_dir
     # a method's own tiny learning rate, and the tiny policy's RL temperature (1.0 unless its env is listed)
     assert tiny.temperature == 1.0 and real.temperature == 1.0
     q = policy_defaults("tiny", "twenty_questions", learning_rate=3e-5, max_new_tokens=50, tiny_learning_rate=1e-4)
-    assert (q.learning_rate, q.temperature) == (1e-4, 1.3)
+    assert (q.learning_rate, q.temperature) == (1e-4, 1.5)
     assert policy_defaults("tiny", "twenty_questions", "micro", learning_rate=3e-5, max_new_tokens=50).temperature == 1.0
     assert policy_defaults("Qwen/Qwen3-1.7B", "twenty_questions", learning_rate=3e-5, max_new_tokens=50,
                            tiny_learning_rate=1e-4).temperature == 1.0

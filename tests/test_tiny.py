@@ -108,6 +108,21 @@ def test_label_noise_replaces_that_share_of_labels_and_leaves_states_alone():
     assert "label_noise" not in tiny.recipe_for("sokoban", "default")  # absent unless set: hashes kept
 
 
+def test_twenty_questions_recipe_keeps_test_secrets_out_of_the_demonstrations(monkeypatch):
+    import envs
+    from envs.twenty_questions import TwentyQuestionsEnv
+
+    recipe = tiny.recipe_for("twenty_questions", "default")
+    assert recipe["demo_split"] == "train" and recipe["env_kwargs"]["secrets"] == "compound"
+    env = envs.make("twenty_questions", **recipe["env_kwargs"])
+    assert sorted(tiny._demo_tasks(env, recipe)) == sorted(env.task_ids("train"))
+    played = []  # the secret of every demonstrated game
+    reset = TwentyQuestionsEnv.reset
+    monkeypatch.setattr(TwentyQuestionsEnv, "reset", lambda self, task_id: played.append(task_id) or reset(self, task_id))
+    tiny.collect_demos("twenty_questions", dict(recipe, demo_episodes=100), progress=False)
+    assert len(played) == 100 and set(played) <= set(env.task_ids("train"))
+
+
 def test_completion_loss_action_smoothing_hand_computed():
     # logits [0, ln 3, 0, 0, 0] at every position -> p = (1, 3, 1, 1, 1) / 7. Completion [1, 4]:
     #   token 1: NLL ln(7/3) = 0.847298; smoothed over ids {0, 1, 2} with eps 0.3:
