@@ -103,13 +103,14 @@ class Args:
     """sampling temperature of the base agent (0: greedy; official action agent: 0)"""
     agent_max_new_tokens: Optional[int] = None
     """most tokens per agent message; None: 128 for a real model, 16 for the tiny model"""
-    train_opponent: str = "self"
-    """training episodes: 'self' (self-chat, both roles learn) or 'rule:<style>' / 'rule:any' (one role learns)"""
-    eval_num_tasks: int = 12
+    train_opponent: Optional[str] = None
+    """training games: 'self' (self-chat, both roles learn; the paper's), 'rule:<style>' or 'rule:any' (one role
+    learns against scripted styles); None: 'rule:any' for the tiny strategist of a two-player game, else 'self'"""
+    eval_num_tasks: int = 0
     """test tasks per evaluation (each played in both roles against every scripted style; 0: all)"""
     eval_opponents: tuple[str, ...] = ()
     """scripted opponent styles of the two-player evaluation (empty: all styles of the game)"""
-    eval_every: int = 1
+    eval_every: int = 10
     """evaluate every this many iterations (and before training and at the end; 0: only those two)"""
     eval_selfplay: bool = True
     """also evaluate self-chat (both roles the strategist) on the test tasks"""
@@ -117,7 +118,7 @@ class Args:
     """decoded episodes written to samples.jsonl per evaluation and per iteration"""
 
     # algorithm
-    num_iterations: int = 8
+    num_iterations: int = 40
     """self-play iterations (collect, PRM, weights, train); the paper reports a plateau after about 5"""
     episodes_per_iteration: int = 64
     """games collected per iteration (self-chat: 2 strategist trajectories per game)"""
@@ -143,16 +144,18 @@ class Args:
     """rule PRM: at most this many critical turns per trajectory"""
     prm_min_gain: float = 1e-6
     """rule PRM: a turn is critical only if its progress gain exceeds this"""
-    prm_min_final: float = 0.0
-    """rule PRM: no critical turn in a game whose final progress (Negotiation: goal score / 10) is below this"""
+    prm_min_final: Optional[float] = None
+    """rule PRM: no critical turn in a game whose final progress (Negotiation: goal score / 10) is below this;
+    None: 0.5 for the tiny strategist, 0 (official: the PRM sees every game) for a real model"""
     prm_temperature: float = 0.7
     """LLM PRM sampling temperature (official: 0.7)"""
     prm_max_new_tokens: Optional[int] = None
     """LLM PRM answer length; None: 256 for a real model, 32 for the tiny model"""
     weights: Literal["epo", "ones"] = "epo"
     """'epo': PRM + outcome returns; 'ones': every own strategy weighted 1 (EPO-SFT ablation)"""
-    return_norm: Literal["trajectory", "batch"] = "trajectory"
-    """returns divided by the max |G| of each trajectory (official) or of the whole batch"""
+    return_norm: Optional[Literal["trajectory", "batch"]] = None
+    """returns divided by the max |G| of each trajectory (official) or of the whole batch; None: 'batch' for the
+    tiny strategist, 'trajectory' for a real model"""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -354,6 +357,8 @@ def compute_advantages(episodes, args):
     """Episodes in, per-turn weights out (`ep.weights`, the A_t of the loss): the critical turns (the rule
     PRM's `rule_critical_turns` on the env's progress; none with --prm none; with --prm llm they were set
     by `llm_prm` before this call), then `epo_turn_weights` (all ones with --weights ones, EPO-SFT)."""
+    if args.return_norm is None or args.prm_min_final is None:
+        raise ValueError("--return-norm and --prm-min-final are unresolved: call resolve_defaults(args, ...) first")
     for ep in episodes:
         if args.prm == "rule":
             ep.critical = rule_critical_turns(ep.progress, args.prm_top_k, args.prm_min_gain,
@@ -865,16 +870,36 @@ def save_adapter(model, run_dir: Path):
 # ----------------------------------------------------------------------------------------------
 def tiny_overrides(env_id):
     """The tiny policy's recipe overrides: an env whose moves can be strategies (negotiation) is played with
-    `moves="strategy"`, and its tiny policy is built from the expert's strategies in that mode; else None."""
+    `moves="strategy"`, and its tiny policy is built from the expert's strategies in that mode, with every
+    past move in the prompt (`history=None`: the opening that gives a scripted style away stays in view) and
+    30 % of the demonstration episodes played by the style-aware expert (docs/epo.md); else None."""
     import envs
 
-    return {"env_kwargs": {"moves": "strategy"}} if env_id in envs.STRATEGY_MOVES else None
+    if env_id not in envs.STRATEGY_MOVES:
+        return None
+    return {"env_kwargs": {"moves": "strategy", "history": None},
+            "demo_mix": {"share": 0.3, "env_kwargs": {"expert": "style"}}}
+
+
+# The options left at None resolve by model: the tiny strategist's measured setting (docs/epo.md, "Defaults for
+# the tiny strategist": it trains against the scripted styles, keeps the outcome's size and gates the rule PRM
+# on the outcome), or the paper's and the official code's for a real model (self-chat, per-trajectory scaling).
+TINY_DEFAULTS = dict(train_opponent="rule:any", return_norm="batch", prm_min_final=0.5)
+PAPER_DEFAULTS = dict(train_opponent="self", return_norm="trajectory", prm_min_final=0.0)
+
+
+def resolve_defaults(args, is_tiny, two_player):
+    """Fill the `Args` fields left at None with TINY_DEFAULTS (a tiny strategist of a two-player game) or
+    PAPER_DEFAULTS (anything else: a real model, or a single-agent env, which has no scripted styles)."""
+    for key, value in (TINY_DEFAULTS if is_tiny and two_player else PAPER_DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
 
 
 def make_env(args):
     """The env factory `new_env` (user errors -> UserError), one probe instance, the policy's model-dependent
-    defaults (`policy_defaults`) and the env options. `new_env(task, seats)` builds the env as an `envs.Seated`
-    game with those seats, reset to `task`."""
+    defaults (`policy_defaults`; `resolve_defaults` fills the options left at None) and the env options.
+    `new_env(task, seats)` builds the env as an `envs.Seated` game with those seats, reset to `task`."""
     import envs
     from common.models import UserError, policy_defaults
 
@@ -886,9 +911,12 @@ def make_env(args):
     # a tiny policy was trained on prompts rendered with its recipe's env options: use the same ones
     defaults = policy_defaults(args.model_name, args.env_id, args.tiny_preset, tiny_overrides(args.env_id),
                                learning_rate=2e-5, max_new_tokens=48)
+    resolve_defaults(args, defaults.is_tiny, two_player)
     kw = dict(defaults.env_kwargs)
     if strategy_moves:
         kw["moves"] = "strategy"
+        if not defaults.is_tiny:  # the paper's strategist reads the whole game; the env's view shows 4 moves
+            kw.setdefault("history", None)
     if args.history is not None:
         kw["history"] = args.history
     try:
@@ -926,7 +954,7 @@ def check_args(args):
         raise UserError("--gamma must be in (0, 1]")
     if args.micro_batch_size < 1 or args.trajectories_per_step < 1 or args.eval_num_tasks < 0:
         raise UserError("--micro-batch-size and --trajectories-per-step must be >= 1, --eval-num-tasks >= 0")
-    if not 0.0 <= args.prm_min_final <= 1.0:
+    if args.prm_min_final is not None and not 0.0 <= args.prm_min_final <= 1.0:
         raise UserError("--prm-min-final must be in [0, 1] (the env's progress scale)")
 
 

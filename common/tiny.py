@@ -124,6 +124,11 @@ OPTIONAL_KEYS: dict[str, Any] = {
     # Questions: 308 of its 332 actions start with "Is"), this leaves about ε of the policy's mass on other
     # whole actions while its greedy move stays the expert's.
     "label_noise": 0.0,
+    # Two-player games, {"share": q, "env_kwargs": {...}}: a share q of the demonstration episodes is played
+    # with these env options on top of the recipe's (their prompts must be the same), e.g. Negotiation's
+    # second expert `expert="style"`. Where the two experts differ, the policy keeps about q of its mass on
+    # the second one's play, and its own earlier moves in the prompt keep an episode on one of the two.
+    "demo_mix": None,
 }
 
 # Per-env changes to the "default" preset (micro stays generic). Chosen so that the default build takes
@@ -205,6 +210,10 @@ def recipe_for(env_id: str, preset: str = "default", overrides: Optional[dict] =
         raise ValueError(f"label must be 'taken' or 'expert', got {recipe['label']!r}")
     if recipe["demo_split"] not in ("train", "all"):
         raise ValueError(f"demo_split must be 'train' or 'all', got {recipe['demo_split']!r}")
+    mix = recipe.get("demo_mix")
+    if mix is not None and not (isinstance(mix, dict) and set(mix) == {"share", "env_kwargs"}
+                                and isinstance(mix["env_kwargs"], dict) and 0.0 <= mix["share"] <= 1.0):
+        raise ValueError(f"demo_mix must be {{'share': q in [0, 1], 'env_kwargs': {{...}}}}, got {mix!r}")
     recipe.update(env_id=env_id, preset=preset, builder_version=BUILDER_VERSION)
     return recipe
 
@@ -312,16 +321,20 @@ def _single_agent_demos(env_id: str, recipe: dict, rng: random.Random, bar) -> t
 
 
 def _two_player_demos(env_id: str, recipe: dict, rng: random.Random, bar) -> tuple[list, dict]:
-    game = _make_env(env_id, recipe)
-    tasks = _demo_tasks(game, recipe)
+    base = _make_env(env_id, recipe)
+    mix = recipe.get("demo_mix")
+    alt = _make_env(env_id, {"env_kwargs": {**recipe["env_kwargs"], **mix["env_kwargs"]}}) if mix else None
+    tasks = _demo_tasks(base, recipe)
     if not tasks:
         raise ValueError(f"env {env_id!r} has no train tasks")
     order = tasks[:]
     rng.shuffle(order)
-    styles = list(game.opponent_styles())
-    players = list(game.players)
-    demos, noisy, selfplay = [], 0, 0
+    styles = list(base.opponent_styles())
+    players = list(base.players)
+    demos, noisy, selfplay, mixed = [], 0, 0, 0
     for ep in range(recipe["demo_episodes"]):
+        game = alt if mix and rng.random() < mix["share"] else base
+        mixed += game is alt
         game.reset(order[ep % len(order)])
         # A third of the episodes are expert self-play; the others pit the expert (one random role)
         # against a random scripted style, so the model sees the states those opponents lead to.
@@ -348,8 +361,11 @@ def _two_player_demos(env_id: str, recipe: dict, rng: random.Random, bar) -> tup
             demos.append((copy.deepcopy(game.observe(player)), label))
             game.step(take)
         bar.update(1)
-    return demos, dict(demo_episodes=recipe["demo_episodes"], selfplay_episodes=selfplay,
-                       noise_fraction=noisy / max(1, len(demos)))
+    stats = dict(demo_episodes=recipe["demo_episodes"], selfplay_episodes=selfplay,
+                 noise_fraction=noisy / max(1, len(demos)))
+    if mix:
+        stats["mixed_episodes"] = mixed
+    return demos, stats
 
 
 def collect_demos(env_id: str, recipe: dict, progress: bool = True) -> tuple[list[tuple[list, str]], dict]:
@@ -358,6 +374,8 @@ def collect_demos(env_id: str, recipe: dict, progress: bool = True) -> tuple[lis
     from tqdm.auto import tqdm
 
     rng = random.Random(recipe["seed"])
+    if recipe.get("demo_mix") and env_id not in envs.TWO_PLAYER:
+        raise ValueError(f"demo_mix applies to two-player games; {env_id!r} is not one")
     with tqdm(total=recipe["demo_episodes"], desc=f"{env_id} demos", disable=not progress, leave=False) as bar:
         if env_id in envs.TWO_PLAYER:
             return _two_player_demos(env_id, recipe, rng, bar)
@@ -749,7 +767,9 @@ TESTBEDS: dict[str, tuple[str, Optional[dict]]] = {
     "guess_my_city": ("guess_my_city", None),
     "bargaining": ("bargaining", None),
     "negotiation": ("negotiation", None),
-    "negotiation_strategist": ("negotiation", {"env_kwargs": {"moves": "strategy"}}),  # EPO's strategist
+    # EPO's strategist (epo.tiny_overrides): strategies, every past move shown, 30% style-aware demos
+    "negotiation_strategist": ("negotiation", {"env_kwargs": {"moves": "strategy", "history": None},
+                                               "demo_mix": {"share": 0.3, "env_kwargs": {"expert": "style"}}}),
     "webshop": ("webshop", None),
     "alfworld": ("alfworld", None),
 }

@@ -106,13 +106,19 @@ class NegotiationEnv(OfferGame):
     version = VERSION
     allow_walk = ("Bob",)
 
-    def __init__(self, history: Optional[int] = 4, max_invalid: int = 2, moves: str = "utterance"):
+    def __init__(self, history: Optional[int] = 4, max_invalid: int = 2, moves: str = "utterance",
+                 expert: str = "plain"):
         """`moves="strategy"`: a message that starts with "Strategy:" is played through the
         strategy-following agent (EPO's strategist level: expert_action and admissible_actions give
-        strategies, so a tiny strategist builds from the expert's strategies); other text is a move."""
+        strategies, so a tiny strategist builds from the expert's strategies); other text is a move.
+        `expert="style"`: `expert_action` plays `style_expert_strategy` (the reply to the scripted style
+        the other side's opening gives away) instead of `expert_strategy`; the prompts are the same."""
         if moves not in ("utterance", "strategy"):
             raise ValueError(f"moves must be 'utterance' or 'strategy', got {moves!r}")
+        if expert not in ("plain", "style"):
+            raise ValueError(f"expert must be 'plain' or 'style', got {expert!r}")
         self.moves_mode = moves
+        self.expert = expert
         super().__init__(history=history, max_invalid=max_invalid)
         self.max_rounds = max(_data()["rounds"])
         self.T = self.max_rounds
@@ -277,11 +283,69 @@ class NegotiationEnv(OfferGame):
             return "Strategy: concede a lot"
         return "Strategy: concede slightly"
 
+    def opening_style(self, player: Optional[str] = None) -> Optional[str]:
+        """The scripted style that the other side's opening proposal gives away (each opens at its own
+        distance from the market value: tough 40 %, tit_for_tat 25 %, fair 20 %, conceding 10 %), or None
+        (no proposal from the other side yet, or an opening that no style makes, e.g. a strategist's)."""
+        self._require_task()
+        player = player or self.current_player
+        other = self.other(player)
+        if not self.proposals[other]:
+            return None
+        first = self.proposals[other][0]  # in the other side's own units
+        for style in self.opponent_styles():
+            if abs(self._style(other, style).open_z - first) < 0.02:  # prices are whole dollars, M >= 150
+                return style
+        return None
+
+    def style_expert_strategy(self, player: Optional[str] = None) -> str:
+        """The expert's strategy for `player` when the other side's opening gives away its scripted style
+        (`opening_style`), else `expert_strategy`. From the player's own view only (its valuation, the
+        rounds, the moves so far), never the other side's valuation. Against a style:
+
+        - fair: hold at the anchor (fair splits the difference towards it), take a paying offer when the
+          counter would be the game's last proposal;
+        - tit_for_tat: alternate a large concession, which it mirrors, and a return to the anchor, which it
+          does not (it mirrors no retreat), then split the difference on the last own proposal;
+        - tough: the seller holds (tough's offers stay below most sellers' valuations); the buyer holds,
+          concedes a lot on his second- and third-last proposals and splits on his last (tough takes a
+          last proposal above its floor);
+        - conceding: `expert_strategy` (its slight concessions already meet conceding's).
+
+        Always: on the final response take a paying offer, else hold. Measured against the styles and
+        against the best strategy sequences in docs/epo.md ("What the strategist can see")."""
+        self._require_task()
+        player = player or self.current_player
+        style = self.opening_style(player)
+        if style is None or style == "conceding":
+            return self.expert_strategy(player)
+        their = self._their_offer_z(player)
+        pays = their is not None and their > self.reservation_z(player)
+        if self.final_response:
+            return "Strategy: accept the offer" if pays else "Strategy: hold firm"
+        mine = self.proposals[player]
+        anchor = "Strategy: anchor high" if player == "Alice" else "Strategy: anchor low"
+        if not mine:
+            return anchor
+        next_round = self.round + 1 if self.offer is not None else self.round  # of my next proposal
+        left = len(range(next_round, self.T + 1, 2))  # my proposals still to come, this one included
+        if style == "fair":
+            return "Strategy: accept the offer" if pays and next_round >= self.T else anchor
+        if style == "tit_for_tat":
+            if left == 1:
+                return "Strategy: split the difference"
+            return "Strategy: concede a lot" if len(mine) % 2 == 1 else anchor
+        # tough
+        if player == "Alice" or left > 3:
+            return anchor
+        return "Strategy: split the difference" if left == 1 else "Strategy: concede a lot"
+
     def expert_action(self, player: Optional[str] = None) -> str:
         player = player or self.current_player
+        strategy = self.style_expert_strategy(player) if self.expert == "style" else self.expert_strategy(player)
         if self.moves_mode == "strategy":
-            return self.expert_strategy(player)
-        return self.rule_agent_action(player, self.expert_strategy(player))
+            return strategy
+        return self.rule_agent_action(player, strategy)
 
     def step(self, text):
         if self.moves_mode == "strategy" and self.task_id is not None and not self.ended:

@@ -85,10 +85,33 @@ def test_compute_advantages_return_norm():
             self.outcome, self.length, self.progress, self.critical = outcome, T, [0.0] * (T + 1), None
 
     eps = [Ep(0.5, 2), Ep(0.25, 1)]
-    epo.compute_advantages(eps, epo.Args(prm="none", gamma=1.0, return_norm="batch"))
+    epo.compute_advantages(eps, epo.Args(prm="none", gamma=1.0, return_norm="batch", prm_min_final=0.0))
     assert eps[0].weights == [1.0, 1.0] and eps[1].weights == [0.5]
-    epo.compute_advantages(eps, epo.Args(prm="none", gamma=1.0, return_norm="trajectory"))
+    epo.compute_advantages(eps, epo.Args(prm="none", gamma=1.0, return_norm="trajectory", prm_min_final=0.0))
     assert eps[0].weights == [1.0, 1.0] and eps[1].weights == [1.0]
+    with pytest.raises(ValueError, match="resolve_defaults"):  # options left at None are resolved by make_env
+        epo.compute_advantages(eps, epo.Args(prm="none"))
+
+
+def test_compute_advantages_outcome_gated_rule_prm_with_batch_scaling():
+    # The tiny strategist's default: rule PRM (top 2 gains), no critical turn below a final progress of 0.5,
+    # returns divided by the batch's max |G|. gamma 0.5.
+    # A: progress (0, 0.2, 0.2, 0.6), outcome 0.6: gains (0.2, 0, 0.4) -> turns 0 and 2 critical; the last turn
+    #    is critical, so the outcome is dropped: r = (1, 0, 1), G = (1 + 0.25, 0.5, 1) = (1.25, 0.5, 1).
+    # B: progress (0, 0.3, 0.4), outcome 0.4 < 0.5: no critical turn: r = (0, 0.4), G = (0.2, 0.4).
+    # batch max |G| = 1.25: A = (1, 0.4, 0.8), B = (0.16, 0.32).
+    class Ep:
+        def __init__(self, progress, outcome):
+            self.progress, self.outcome, self.length = progress, outcome, len(progress) - 1
+
+    a, b = Ep([0.0, 0.2, 0.2, 0.6], 0.6), Ep([0.0, 0.3, 0.4], 0.4)
+    epo.compute_advantages([a, b], epo.Args(prm="rule", gamma=0.5, return_norm="batch", prm_min_final=0.5))
+    assert a.critical == [True, False, True] and b.critical == [False, False]
+    np.testing.assert_allclose(a.weights, [1.0, 0.4, 0.8], atol=1e-12)
+    np.testing.assert_allclose(b.weights, [0.16, 0.32], atol=1e-12)
+    # without the gate, B's best gain (turn 0, 0.3) would be critical and earn 1, more than A's outcome
+    epo.compute_advantages([a, b], epo.Args(prm="rule", gamma=0.5, return_norm="batch", prm_min_final=0.0))
+    assert b.critical == [True, True]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -271,10 +294,14 @@ def test_instruct_strategist_sees_its_own_earlier_strategies():
 def test_make_env_gives_reset_seated_games():
     import envs
 
-    new_env, probe, defaults, kw = epo.make_env(epo.Args(tiny_preset="micro"))
-    assert kw["moves"] == "strategy" and defaults.is_tiny
-    assert epo.tiny_overrides("negotiation") == {"env_kwargs": {"moves": "strategy"}}
+    args = epo.Args(tiny_preset="micro")
+    new_env, probe, defaults, kw = epo.make_env(args)
+    assert kw["moves"] == "strategy" and kw["history"] is None and defaults.is_tiny
+    assert epo.tiny_overrides("negotiation") == {"env_kwargs": {"moves": "strategy", "history": None},
+                                                 "demo_mix": {"share": 0.3, "env_kwargs": {"expert": "style"}}}
     assert epo.tiny_overrides("sokoban") is None
+    # the tiny strategist's measured defaults were filled in (docs/epo.md)
+    assert (args.train_opponent, args.return_norm, args.prm_min_final) == ("rule:any", "batch", 0.5)
     task = probe.task_ids("test")[0]
     p0, p1 = probe.players
     game = new_env(task, {p0: "policy", p1: probe.opponent_styles()[0]})
@@ -288,3 +315,29 @@ def test_eval_opponents_are_checked_against_the_games_styles():
     with pytest.raises(UserError, match=r"--eval-opponents: unknown style\(s\) \['nope'\]; known: tough, fair"):
         epo.make_env(epo.Args(eval_opponents=("nope",)))
     epo.make_env(epo.Args(eval_opponents=("fair",)))  # a style of the game: accepted
+
+
+def test_defaults_resolve_by_model_and_keep_explicit_flags():
+    def resolved(is_tiny, two_player, **flags):
+        args = epo.Args(**flags)
+        epo.resolve_defaults(args, is_tiny, two_player)
+        return args.train_opponent, args.return_norm, args.prm_min_final
+
+    assert resolved(True, True) == ("rule:any", "batch", 0.5)  # the tiny strategist: scripted styles
+    assert resolved(False, True) == ("self", "trajectory", 0.0)  # a real model: the paper's self-chat
+    assert resolved(True, False) == ("self", "trajectory", 0.0)  # a single-agent env has no styles
+    assert resolved(True, True, train_opponent="self", prm_min_final=0.0) == ("self", "batch", 0.0)
+    assert resolved(False, True, return_norm="batch") == ("self", "batch", 0.0)
+
+
+def test_end_to_end_self_chat_by_flag(run_method):
+    # self-play stays available: both roles are the strategist, each game gives two trajectories
+    run_dir = run_method("epo.py", "--train-opponent", "self", "--return-norm", "trajectory", "--prm-min-final", "0",
+                         "--num-iterations", "1", "--episodes-per-iteration", "4", "--eval-num-tasks", "1",
+                         "--torch-threads", "1", "--lora-r", "8", "--lora-alpha", "8", "--no-eval-selfplay")
+    config = json.loads((run_dir / "config.json").read_text())
+    assert (config["train_opponent"], config["return_norm"], config["prm_min_final"]) == ("self", "trajectory", 0.0)
+    recs = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
+    train = [r for r in recs if r["tag"] == "train"]
+    assert train and all(r["opponent"] == "self" for r in train)
+    assert {r["player"] for r in train} == {"Alice", "Bob"}
