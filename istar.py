@@ -37,6 +37,7 @@ import math
 import random
 import sys
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal, Optional
@@ -143,7 +144,9 @@ class Args:
     dpo_reduce: Literal["mean", "sum"] = "mean"
     """trajectory score of the DPO loss: mean (official) or sum (Eq. 2 literally) of its step rewards"""
     prm_updates_per_iteration: int = 1
-    """PRM optimizer steps per iteration (paper: 1)"""
+    """PRM optimizer steps per iteration on the iteration's pairs (official: 1; the paper does not say)"""
+    prm_replay: int = 0
+    """the PRM also trains on the pairs of this many earlier iterations, each against its own π_θold (0: none)"""
     positive_threshold: Optional[float] = None
     """None: positive = info['success']; a number: positive = outcome r_o > it (negotiation default: 6, as SOTOPIA)"""
     invalid_penalty: float = 0.1
@@ -465,13 +468,38 @@ def prm_step_rewards(model, tok, samples, args):
     return tok_r, (torch.stack([t.sum() for t in tok_r]) if tok_r else torch.zeros(0))  # Eq. 1 per step
 
 
-def prm_update(model, tok, optimizer, samples, traj_success, traj_group, args):
+def paired_batch(samples, traj_success, traj_group):
+    """The PRM's training data of one iteration: the steps of the trajectories that are in a pair, their
+    trajectories renumbered 0..n-1 in order, with those trajectories' success and group."""
+    in_pair = traj_in_pair(traj_success, traj_group)
+    keep = [i for i in range(len(traj_success)) if bool(in_pair[i])]
+    new_id = {old: new for new, old in enumerate(keep)}
+    return {"samples": [dict(x, traj=new_id[x["traj"]]) for x in samples if x["traj"] in new_id],
+            "success": torch.as_tensor(traj_success)[keep], "group": torch.as_tensor(traj_group)[keep]}
+
+
+def merge_batches(batches):
+    """Paired batches of several iterations as one: trajectory and group ids of batch b are offset by the
+    trajectories and the largest group id + 1 of the batches before it, so no pair crosses iterations."""
+    samples, succ, grp, n_traj, n_grp = [], [], [], 0, 0
+    for b in batches:
+        samples += [dict(x, traj=x["traj"] + n_traj) for x in b["samples"]]
+        succ.append(b["success"])
+        grp.append(torch.as_tensor(b["group"], dtype=torch.long) + n_grp)
+        n_traj += len(b["success"])
+        n_grp = int(grp[-1].max()) + 1 if len(grp[-1]) else n_grp
+    return {"samples": samples, "success": torch.cat(succ) if succ else torch.zeros(0, dtype=torch.bool),
+            "group": torch.cat(grp) if grp else torch.zeros(0, dtype=torch.long)}
+
+
+def prm_update(model, tok, optimizer, samples, traj_success, traj_group, args, replay=()):
     """`--prm-updates-per-iteration` optimizer steps of the PRM adapter on the trajectory-DPO loss (Eq. 2) of
-    this batch's pairs, each in two passes (docs/istar.md, "Implementation details" 4): the step rewards
-    without graph, g_s = dL/dr_s on them, then a re-forward of the paired steps that backpropagates Σ_s g_s r_s.
-    The first scoring (every step, before any update on this batch) gives the rewards that feed the advantages
-    and the held-out pair statistics; after the last step the paired steps are scored again (fit statistics).
-    Returns (token rewards list, step rewards [S], stats).
+    this batch's pairs and of the paired batches in `replay` (earlier iterations', `paired_batch`), each step in
+    two passes (docs/istar.md, "Implementation details" 4): the step rewards without graph, g_s = dL/dr_s on
+    them, then a re-forward of the paired steps that backpropagates Σ_s g_s r_s. The first scoring (every step,
+    before any update on this batch) gives the rewards that feed the advantages and the held-out pair
+    statistics; after the last step this batch's paired steps are scored again (fit statistics).
+    Returns (token rewards list, step rewards [S], stats, this batch's `paired_batch` for later replay).
     """
     device = next(model.parameters()).device
     tok_r, r = prm_step_rewards(model, tok, samples, args)
@@ -480,20 +508,23 @@ def prm_update(model, tok, optimizer, samples, traj_success, traj_group, args):
     n_pairs = int(held["pairs"].sum())
     stats = {"pairs": n_pairs, "loss": held["loss"], "heldout_pair_acc": held["acc"],
              "heldout_margin": held["margin"], "grad_norm": 0.0, "heldout_counts": (held["correct"], held["pairs"])}
-    if n_pairs == 0:
-        model.set_adapter("default")
-        return tok_r, r, stats
     in_pair = traj_in_pair(traj_success, traj_group)
     paired = [j for j, x in enumerate(samples) if bool(in_pair[x["traj"]])]  # only these steps have dL/dr != 0
-    train = [samples[j] for j in paired]
+    mine = paired_batch(samples, traj_success, traj_group)
+    batch = merge_batches([mine, *replay])  # this iteration's pairs first
+    train, t_idx = batch["samples"], torch.tensor([x["traj"] for x in batch["samples"]], dtype=torch.long)
+    if not train:
+        model.set_adapter("default")
+        return tok_r, r, stats, mine
     r_train = r[paired]
     for k in range(args.prm_updates_per_iteration):
-        if k > 0:  # later steps: dL/dr with the moved PRM
-            model.set_adapter("prm")
+        if k > 0:  # dL/dr with the PRM as it is now
             r_train = prm_step_rewards(model, tok, train, args)[1]
+        elif replay:  # this batch's steps were scored above; the earlier iterations' under the PRM as it is now
+            r_train = torch.cat([r_train, prm_step_rewards(model, tok, train[len(paired):], args)[1]])
         leaf = r_train.detach().double().requires_grad_(True)
-        (g,) = torch.autograd.grad(trajectory_dpo_loss(leaf, idx[paired], traj_success, traj_group, args.dpo_reduce),
-                                   leaf)
+        (g,) = torch.autograd.grad(trajectory_dpo_loss(leaf, t_idx, batch["success"], batch["group"],
+                                                       args.dpo_reduce), leaf)
         model.set_adapter("prm")
         model.train()
         optimizer.zero_grad(set_to_none=True)
@@ -507,12 +538,15 @@ def prm_update(model, tok, optimizer, samples, traj_success, traj_group, args):
         params = [p for group in optimizer.param_groups for p in group["params"]]
         stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, args.prm_max_grad_norm))
         optimizer.step()
-    after = pair_counts(prm_step_rewards(model, tok, train, args)[1], idx[paired], traj_success, traj_group,
-                        args.dpo_reduce)
-    stats.update(train_loss_after=after["loss"], train_pair_acc_after=after["acc"], train_margin_after=after["margin"])
+    if n_pairs:
+        after = pair_counts(prm_step_rewards(model, tok, mine["samples"], args)[1], idx[paired], traj_success,
+                            traj_group, args.dpo_reduce)
+        stats.update(train_loss_after=after["loss"], train_pair_acc_after=after["acc"],
+                     train_margin_after=after["margin"])
+    stats["train_pairs"] = int(preference_pairs(batch["success"], batch["group"]).shape[0])
     model.set_adapter("default")
     model.eval()
-    return tok_r, r, stats
+    return tok_r, r, stats, mine
 
 
 def policy_loss(logp, old_logp, adv, weights, clip_eps, dual_clip, step_mask=None):
@@ -840,6 +874,9 @@ def check_args(args):
     if args.prm_updates_per_iteration < 1:
         raise UserError(f"--prm-updates-per-iteration must be >= 1, got {args.prm_updates_per_iteration} "
                         "(--alpha 0 turns the PRM off)")
+    if args.prm_replay < 0:
+        raise UserError(f"--prm-replay must be >= 0 (earlier iterations whose pairs the PRM also trains on), "
+                        f"got {args.prm_replay}")
     if args.prm_learning_rate is not None and args.prm_learning_rate <= 0:
         raise UserError(f"--prm-learning-rate must be > 0, got {args.prm_learning_rate}")
 
@@ -902,6 +939,7 @@ def main(args: Args):
 
     G = args.group_size
     heldout = []  # per iteration with the PRM: (it, correct, pairs) per group, scored before the PRM trained on them
+    replay = deque(maxlen=args.prm_replay)  # the paired batches of the last --prm-replay iterations
     bar = tqdm(range(1, args.num_iterations + 1), desc="istar", dynamic_ncols=True)
     for it in bar:
         t0 = time.time()
@@ -920,8 +958,10 @@ def main(args: Args):
         t2 = time.time()
         outcomes, traj_success, traj_group = trajectory_outcomes(episodes, args.invalid_penalty, threshold)
         if use_prm:
-            tok_r, step_r, pstats = prm_update(model, tok, prm_optimizer, samples, traj_success, traj_group, args)
+            tok_r, step_r, pstats, mine = prm_update(model, tok, prm_optimizer, samples, traj_success, traj_group,
+                                                     args, replay)
             heldout.append((it, *pstats["heldout_counts"]))
+            replay.appendleft(mine)  # newest first; the deque keeps the last --prm-replay iterations
         else:
             tok_r, step_r, pstats = None, torch.zeros(len(samples)), None
         seconds["prm"] = time.time() - t2

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from conftest import REPO, adapter_tensors, assert_adapter_trained, assert_run_outputs, read_metrics
-from istar import (Args, Episode, heldout_summary, implicit_step_rewards, istar_advantages, normalize_step_rewards,
-                   pair_counts, pooled_pair_accuracy, preference_pairs, prm_update, traj_in_pair, trajectory_dpo_loss,
-                   trajectory_outcomes, trajectory_scores, update)
+from istar import (Args, Episode, heldout_summary, implicit_step_rewards, istar_advantages, merge_batches,
+                   normalize_step_rewards, pair_counts, paired_batch, pooled_pair_accuracy, preference_pairs,
+                   prm_update, traj_in_pair, trajectory_dpo_loss, trajectory_outcomes, trajectory_scores, update)
 
 torch.set_num_threads(1)
 
@@ -62,6 +62,24 @@ def test_preference_pairs_all_cross_pairs_within_groups():
 def test_traj_in_pair():
     # pairs (0, 1) and (0, 2); groups 1 (all success) and 2 (all failure) have none
     assert traj_in_pair(torch.tensor(SUCC), torch.tensor(GROUP)).tolist() == [True, True, True, False, False, False]
+
+
+def test_paired_batch_and_merge_batches_renumber_by_hand():
+    # traj 0 is alone in group 0 (no pair); group 1: traj 1 success, 2 failure; group 2: traj 3 failure, 4 success
+    succ, group = torch.tensor([False, True, False, False, True]), torch.tensor([0, 1, 1, 2, 2])
+    samples = [{"traj": t, "k": i} for i, t in enumerate([0, 1, 2, 2, 4, 3])]
+    b1 = paired_batch(samples, succ, group)
+    # kept trajectories 1, 2, 3, 4 -> 0, 1, 2, 3; sample 0 (traj 0) is dropped, the order is kept
+    assert [x["k"] for x in b1["samples"]] == [1, 2, 3, 4, 5] and [x["traj"] for x in b1["samples"]] == [0, 1, 1, 3, 2]
+    assert b1["success"].tolist() == [True, False, False, True] and b1["group"].tolist() == [1, 1, 2, 2]
+    assert samples[1]["traj"] == 1  # the caller's samples are not renumbered
+    b2 = {"samples": [{"traj": 0}, {"traj": 1}], "success": torch.tensor([True, False]), "group": torch.tensor([0, 0])}
+    m = merge_batches([b1, b2])
+    # b2's trajectories follow b1's 4, its group follows b1's largest group id 2
+    assert [x["traj"] for x in m["samples"]] == [0, 1, 1, 3, 2, 4, 5]
+    assert m["group"].tolist() == [1, 1, 2, 2, 3, 3]
+    assert m["success"].tolist() == [True, False, False, True, True, False]
+    assert {tuple(p) for p in preference_pairs(m["success"], m["group"]).tolist()} == {(0, 1), (3, 2), (4, 5)}
 
 
 def test_trajectory_scores_mean_and_sum():
@@ -314,7 +332,7 @@ def test_dpo_backward_moves_only_the_prm_adapter():
     args = Args(micro_batch_size=2, beta=0.05)
     opt = torch.optim.AdamW(adapter_params(model, "prm"), lr=1e-2)
     before = _snapshot(model)
-    _, r, stats = prm_update(model, tok, opt, samples, succ, group, args)
+    _, r, stats, _ = prm_update(model, tok, opt, samples, succ, group, args)
     assert stats["pairs"] == 2
     # both adapters start with B = 0, so the PRM equals π_old at first: every step reward is 0 and the
     # loss is log 2 (two pairs with equal scores)
@@ -341,7 +359,7 @@ def test_prm_steps_lower_the_dpo_loss_on_a_fixed_batch():
     opt = torch.optim.AdamW(adapter_params(model, "prm"), lr=3e-2)
     losses, accs = [], []
     for _ in range(8):
-        _, _, stats = prm_update(model, tok, opt, samples, succ, group, args)
+        _, _, stats, _ = prm_update(model, tok, opt, samples, succ, group, args)
         losses.append(stats["loss"])
         accs.append(stats["heldout_pair_acc"])
     assert losses[0] == pytest.approx(math.log(2), abs=1e-6)  # PRM == π_old at the start
@@ -362,7 +380,7 @@ def test_k_prm_steps_equal_k_single_step_updates():
         opt = torch.optim.AdamW(adapter_params(model, "prm"), lr=3e-2)
         args = Args(micro_batch_size=3, beta=0.5, prm_updates_per_iteration=k)
         for c in range(calls):
-            _, _, stats = prm_update(model, tok, opt, samples, succ, group, args)
+            _, _, stats, _ = prm_update(model, tok, opt, samples, succ, group, args)
             if c == 0:
                 first_stats.append(stats["loss"])
         finals.append(([p.detach().clone() for p in adapter_params(model, "prm")], stats["train_loss_after"]))
@@ -372,7 +390,48 @@ def test_k_prm_steps_equal_k_single_step_updates():
     assert first_stats[0] == first_stats[1] == pytest.approx(math.log(2), abs=1e-6)
 
 
-@pytest.mark.parametrize("flag", [{"prm_updates_per_iteration": 0}, {"prm_learning_rate": 0.0}, {"beta": 0.0}])
+def test_replay_gradient_is_the_pooled_dpo_gradient_over_both_iterations():
+    """--prm-replay: one step on this iteration's pairs and an earlier iteration's, each scored against its own
+    π_θold: the gradient equals one backward of the DPO loss averaged over the pairs of both."""
+    from istar import adapter_params, completion_logprobs
+
+    model = _two_adapter_model()
+    tok = SimpleNamespace(pad_token_id=0)
+    with torch.no_grad():
+        for p in adapter_params(model, "prm"):
+            p.add_(0.3 * torch.randn_like(p))
+    samples = _samples(model, tok)
+    succ, group = torch.tensor([True, False, False, True]), torch.tensor([0, 0, 1, 1])
+    # the earlier iteration: the same steps, other labels and another reference (its π_θold)
+    earlier = [dict(x, old=x["old"] - 0.4 * (i % 3)) for i, x in enumerate(samples)]
+    succ_e, group_e = torch.tensor([False, True, True, False]), torch.tensor([5, 5, 6, 6])
+    old_batch = paired_batch(earlier, succ_e, group_e)
+    args = Args(micro_batch_size=3, beta=0.5)
+    params = adapter_params(model, "prm")
+    opt = torch.optim.AdamW(params, lr=0.0)
+    _, _, stats, _ = prm_update(model, tok, opt, samples, succ, group, args, replay=[old_batch])
+    assert stats["pairs"] == 2 and stats["train_pairs"] == 4
+    got = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    model.set_adapter("prm")
+    model.train()
+    both = samples + earlier
+    lp, m = completion_logprobs(model, tok, [x["prompt"] for x in both], [x["completion"] for x in both])
+    old = torch.zeros_like(lp)
+    for j, x in enumerate(both):
+        old[j, lp.shape[1] - len(x["old"]):] = x["old"]
+    r = implicit_step_rewards(lp, old, m, args.beta)
+    traj = [x["traj"] for x in samples] + [x["traj"] + 4 for x in earlier]
+    loss = trajectory_dpo_loss(r, traj, torch.cat([succ, succ_e]), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3]), "mean")
+    loss.backward()
+    for a, b in zip(got, [p.grad for p in params]):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
+    assert max(float(g.abs().max()) for g in got) > 0
+
+
+@pytest.mark.parametrize("flag", [{"prm_updates_per_iteration": 0}, {"prm_learning_rate": 0.0}, {"beta": 0.0},
+                                  {"prm_replay": -1}])
 def test_bad_prm_options_are_user_errors(flag):
     from common.models import UserError
     from istar import check_args
