@@ -37,6 +37,7 @@ import math
 import random
 import sys
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal, Optional
@@ -143,7 +144,9 @@ class Args:
     dpo_reduce: Literal["mean", "sum"] = "mean"
     """trajectory score of the DPO loss: mean (official) or sum (Eq. 2 literally) of its step rewards"""
     prm_updates_per_iteration: int = 1
-    """PRM optimizer steps per iteration (paper: 1)"""
+    """PRM optimizer steps per iteration on the iteration's pairs (official: 1; the paper does not say)"""
+    prm_replay: int = 0
+    """the PRM also trains on the pairs of this many earlier iterations, each against its own π_θold (0: none)"""
     positive_threshold: Optional[float] = None
     """None: positive = info['success']; a number: positive = outcome r_o > it (negotiation default: 6, as SOTOPIA)"""
     invalid_penalty: float = 0.1
@@ -190,6 +193,14 @@ def preference_pairs(traj_success, traj_group):
     grp = torch.as_tensor(traj_group)
     ok = (grp[:, None] == grp[None, :]) & succ[:, None] & ~succ[None, :]
     return ok.nonzero()
+
+
+def traj_in_pair(traj_success, traj_group):
+    """[N] bool: trajectory i is in at least one (positive, negative) pair, i.e. its group holds both kinds."""
+    pairs = preference_pairs(traj_success, traj_group)
+    out = torch.zeros(len(traj_success), dtype=torch.bool)
+    out[pairs.flatten()] = True
+    return out
 
 
 def trajectory_dpo_loss(step_rewards, traj_index, traj_success, traj_group, reduce="mean"):
@@ -458,55 +469,92 @@ def training_samples(model, tok, episodes, args):
     return samples
 
 
-def prm_update(model, tok, optimizer, samples, traj_success, traj_group, args):
-    """One optimizer step of the PRM adapter on the trajectory-DPO loss (Eq. 2), in two passes (docs/istar.md,
-    "Implementation details" 4): pass 1 scores every step without graph (these pre-update rewards feed the
-    advantages) and takes g_s = dL/dr_s; pass 2 re-forwards the paired steps and backpropagates Σ_s g_s r_s.
-    Returns (token rewards list, step rewards [S], stats).
-    """
-    device = next(model.parameters()).device
+def prm_step_rewards(model, tok, samples, args):
+    """Eq. 1 for every sample under the PRM as it is now: (token rewards list, step rewards [S]), no gradient."""
     prm_lp = token_logprobs(model, tok, samples, "prm", args.micro_batch_size, args.temperature)
     tok_r = [args.beta * (p - x["old"]) for p, x in zip(prm_lp, samples)]  # Eq. 1 per token
-    r = torch.stack([t.sum() for t in tok_r]) if tok_r else torch.zeros(0)  # Eq. 1 per step
+    return tok_r, (torch.stack([t.sum() for t in tok_r]) if tok_r else torch.zeros(0))  # Eq. 1 per step
+
+
+def paired_batch(samples, traj_success, traj_group):
+    """The PRM's training data of one iteration: the steps of the trajectories that are in a pair, their
+    trajectories renumbered 0..n-1 in order, with those trajectories' success and group."""
+    in_pair = traj_in_pair(traj_success, traj_group)
+    keep = [i for i in range(len(traj_success)) if bool(in_pair[i])]
+    new_id = {old: new for new, old in enumerate(keep)}
+    return {"samples": [dict(x, traj=new_id[x["traj"]]) for x in samples if x["traj"] in new_id],
+            "success": torch.as_tensor(traj_success)[keep], "group": torch.as_tensor(traj_group)[keep]}
+
+
+def merge_batches(batches):
+    """Paired batches of several iterations as one: trajectory and group ids of batch b are offset by the
+    trajectories and the largest group id + 1 of the batches before it, so no pair crosses iterations."""
+    samples, succ, grp, n_traj, n_grp = [], [], [], 0, 0
+    for b in batches:
+        samples += [dict(x, traj=x["traj"] + n_traj) for x in b["samples"]]
+        succ.append(b["success"])
+        grp.append(torch.as_tensor(b["group"], dtype=torch.long) + n_grp)
+        n_traj += len(b["success"])
+        n_grp = int(grp[-1].max()) + 1 if len(grp[-1]) else n_grp
+    return {"samples": samples, "success": torch.cat(succ) if succ else torch.zeros(0, dtype=torch.bool),
+            "group": torch.cat(grp) if grp else torch.zeros(0, dtype=torch.long)}
+
+
+def prm_update(model, tok, optimizer, samples, traj_success, traj_group, args, replay=()):
+    """`--prm-updates-per-iteration` optimizer steps of the PRM adapter on the trajectory-DPO loss (Eq. 2) of
+    this batch's pairs and of the paired batches in `replay` (earlier iterations', `paired_batch`), each step in
+    two passes (docs/istar.md, "Implementation details" 4): the step rewards without graph, g_s = dL/dr_s on
+    them, then a re-forward of the paired steps that backpropagates Σ_s g_s r_s. The first scoring (every step,
+    before any update on this batch) gives the rewards that feed the advantages and the held-out pair
+    statistics; after the last step this batch's paired steps are scored again (fit statistics).
+    Returns (token rewards list, step rewards [S], stats, this batch's `paired_batch` for later replay).
+    """
+    device = next(model.parameters()).device
+    tok_r, r = prm_step_rewards(model, tok, samples, args)
     idx = torch.tensor([x["traj"] for x in samples], dtype=torch.long)
-    leaf = r.detach().double().requires_grad_(True)
-    loss = trajectory_dpo_loss(leaf, idx, traj_success, traj_group, args.dpo_reduce)
-    (g,) = torch.autograd.grad(loss, leaf)
-    pairs = preference_pairs(traj_success, traj_group)
-    n = len(traj_success)
-    stats = {"prm_loss": float(loss.detach()) if pairs.shape[0] else float("nan"), "prm_pairs": int(pairs.shape[0]),
-             "prm_pair_acc": float("nan"), "prm_grad_norm": 0.0}
-    if pairs.shape[0] == 0:
+    held = pair_counts(r, idx, traj_success, traj_group, args.dpo_reduce)
+    n_pairs = int(held["pairs"].sum())
+    stats = {"pairs": n_pairs, "loss": held["loss"], "heldout_pair_acc": held["acc"],
+             "heldout_margin": held["margin"], "grad_norm": 0.0, "heldout_counts": (held["correct"], held["pairs"])}
+    in_pair = traj_in_pair(traj_success, traj_group)
+    paired = [j for j, x in enumerate(samples) if bool(in_pair[x["traj"]])]  # only these steps have dL/dr != 0
+    mine = paired_batch(samples, traj_success, traj_group)
+    batch = merge_batches([mine, *replay])  # this iteration's pairs first
+    train, t_idx = batch["samples"], torch.tensor([x["traj"] for x in batch["samples"]], dtype=torch.long)
+    if not train:
         model.set_adapter("default")
-        return tok_r, r, stats
-    s = trajectory_scores(r.double(), idx, n, args.dpo_reduce)
-    stats["prm_pair_acc"] = float((s[pairs[:, 0]] > s[pairs[:, 1]]).double().mean())
-    stats["prm_margin"] = float((s[pairs[:, 0]] - s[pairs[:, 1]]).mean())
-    for _ in range(max(1, args.prm_updates_per_iteration)):
+        return tok_r, r, stats, mine
+    r_train = r[paired]
+    for k in range(args.prm_updates_per_iteration):
+        if k > 0:  # dL/dr with the PRM as it is now
+            r_train = prm_step_rewards(model, tok, train, args)[1]
+        elif replay:  # this batch's steps were scored above; the earlier iterations' under the PRM as it is now
+            r_train = torch.cat([r_train, prm_step_rewards(model, tok, train[len(paired):], args)[1]])
+        leaf = r_train.detach().double().requires_grad_(True)
+        (g,) = torch.autograd.grad(trajectory_dpo_loss(leaf, t_idx, batch["success"], batch["group"],
+                                                       args.dpo_reduce), leaf)
         model.set_adapter("prm")
         model.train()
         optimizer.zero_grad(set_to_none=True)
-        live = [j for j in range(len(samples)) if float(g[j]) != 0.0]
-        for s0 in range(0, len(live), args.micro_batch_size):
-            chunk_ids = live[s0:s0 + args.micro_batch_size]
-            chunk = [samples[j] for j in chunk_ids]
+        for s0 in range(0, len(train), args.micro_batch_size):
+            chunk = train[s0:s0 + args.micro_batch_size]
             lp, m = completion_logprobs(model, tok, [x["prompt"] for x in chunk], [x["completion"] for x in chunk],
                                         temperature=args.temperature)
             old = _padded(chunk, "old", lp.shape[1], device)
             rr = implicit_step_rewards(lp, old, m, args.beta)
-            (rr * g[chunk_ids].to(rr.dtype).to(device)).sum().backward()
+            (rr * g[s0:s0 + len(chunk)].to(rr.dtype).to(device)).sum().backward()
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        stats["prm_grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, args.prm_max_grad_norm))
+        stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, args.prm_max_grad_norm))
         optimizer.step()
-        if args.prm_updates_per_iteration > 1:  # later steps: recompute dL/dr with the moved PRM
-            with torch.no_grad():
-                new_lp = token_logprobs(model, tok, samples, "prm", args.micro_batch_size, args.temperature)
-                r2 = torch.stack([args.beta * (p - x["old"]).sum() for p, x in zip(new_lp, samples)])
-            leaf = r2.double().requires_grad_(True)
-            (g,) = torch.autograd.grad(trajectory_dpo_loss(leaf, idx, traj_success, traj_group, args.dpo_reduce), leaf)
+    if n_pairs:
+        after = pair_counts(prm_step_rewards(model, tok, mine["samples"], args)[1], idx[paired], traj_success,
+                            traj_group, args.dpo_reduce)
+        stats.update(train_loss_after=after["loss"], train_pair_acc_after=after["acc"],
+                     train_margin_after=after["margin"])
+    stats["train_pairs"] = int(preference_pairs(batch["success"], batch["group"]).shape[0])
     model.set_adapter("default")
     model.eval()
-    return tok_r, r, stats
+    return tok_r, r, stats, mine
 
 
 def policy_loss(logp, old_logp, adv, weights, clip_eps, dual_clip, step_mask=None):
@@ -600,6 +648,39 @@ def evaluate(model, tok, new_env, tasks, args, max_new_tokens):
     return out, records
 
 
+def pair_counts(step_rewards, traj_index, traj_success, traj_group, reduce="mean"):
+    """The PRM's pairs as it scores them now: per group with pairs, its pairs and how many the PRM ranks right
+    (S(τ+) > S(τ-); a tie is wrong), and over all pairs the accuracy, the mean margin S(τ+) - S(τ-) and the
+    DPO loss (NaN without pairs). Returns a dict: groups, correct, pairs (per group), acc, margin, loss."""
+    traj_index = torch.as_tensor(traj_index, dtype=torch.long)
+    grp = torch.as_tensor(traj_group)
+    pairs = preference_pairs(traj_success, traj_group)
+    if pairs.shape[0] == 0:
+        nan = float("nan")
+        return {"groups": [], "correct": np.zeros(0), "pairs": np.zeros(0), "acc": nan, "margin": nan, "loss": nan}
+    s = trajectory_scores(torch.as_tensor(step_rewards).double(), traj_index, len(grp), reduce)
+    d = s[pairs[:, 0]] - s[pairs[:, 1]]
+    pg = grp[pairs[:, 0]]
+    groups = torch.unique(pg)
+    return {"groups": groups.tolist(),
+            "correct": np.array([float((d[pg == g] > 0).sum()) for g in groups]),
+            "pairs": np.array([float((pg == g).sum()) for g in groups]),
+            "acc": float((d > 0).double().mean()), "margin": float(d.mean()), "loss": float(-F.logsigmoid(d).mean())}
+
+
+def pooled_pair_accuracy(correct, pairs):
+    """Accuracy over the pairs of many groups, Σ correct / Σ pairs, and its standard error with the group as the
+    unit (a group's pairs share trajectories, so they are not independent): with n_g pairs and c_g right in
+    group g, acc = Σ c_g / Σ n_g and SE = sqrt(G / (G - 1) Σ_g (c_g - acc n_g)²) / Σ n_g (0 for one group).
+    Returns (acc, se); (NaN, NaN) without pairs."""
+    c, n = np.asarray(correct, dtype=np.float64), np.asarray(pairs, dtype=np.float64)
+    if n.sum() == 0:
+        return float("nan"), float("nan")
+    acc, G = c.sum() / n.sum(), len(n)
+    se = math.sqrt(G / (G - 1) * ((c - acc * n) ** 2).sum()) / n.sum() if G > 1 else 0.0
+    return float(acc), float(se)
+
+
 def iteration_row(episodes, samples, ustats, cstats, seconds):
     """The metrics of one iteration: training rollouts, losses, credit statistics and seconds per phase."""
     n_turns = sum(ep.length for ep in episodes)
@@ -627,12 +708,27 @@ def prm_stats(samples, traj_success, step_r, pstats):
         return row
     succ = traj_success[torch.tensor([x["traj"] for x in samples], dtype=torch.long)].numpy()
     r = step_r.double().numpy()
-    row.update({f"credit/{k}": v for k, v in pstats.items()})
+    row.update({f"prm/{k}": v for k, v in pstats.items() if isinstance(v, (int, float))})
     row["credit/step_reward_mean"] = float(r.mean()) if len(r) else 0.0
     row["credit/step_reward_abs_mean"] = float(np.abs(r).mean()) if len(r) else 0.0
     row["credit/step_reward_success_mean"] = float(r[succ].mean()) if succ.any() else float("nan")
     row["credit/step_reward_failure_mean"] = float(r[~succ].mean()) if (~succ).any() else float("nan")
     return row
+
+
+def heldout_summary(heldout, num_iterations):
+    """The PRM's held-out pair accuracy (docs/istar.md, "Logged metrics") pooled over the pairs of the first and
+    of the last quarter of the iterations, with standard errors (`pooled_pair_accuracy`), for summary.json."""
+    q = max(1, num_iterations // 4)
+    out = {}
+    for name, lo, hi in (("first_quarter", 1, q), ("last_quarter", num_iterations - q + 1, num_iterations)):
+        rows = [(c, n) for it, c, n in heldout if lo <= it <= hi]
+        c = np.concatenate([r[0] for r in rows]) if rows else np.zeros(0)
+        n = np.concatenate([r[1] for r in rows]) if rows else np.zeros(0)
+        acc, se = pooled_pair_accuracy(c, n)
+        out[name] = {"iterations": [lo, hi], "acc": acc if n.sum() else None, "se": se if n.sum() else None,
+                     "pairs": int(n.sum()), "groups": len(n)}  # None (JSON null) without pairs
+    return out
 
 
 def adapter_params(model, adapter):
@@ -783,6 +879,14 @@ def check_args(args):
         raise UserError(f"--history must be >= 0 (or None), got {args.history}")
     if args.beta <= 0:
         raise UserError("--beta must be > 0 (it scales the implicit reward, paper: 0.05)")
+    if args.prm_updates_per_iteration < 1:
+        raise UserError(f"--prm-updates-per-iteration must be >= 1, got {args.prm_updates_per_iteration} "
+                        "(--alpha 0 turns the PRM off)")
+    if args.prm_replay < 0:
+        raise UserError(f"--prm-replay must be >= 0 (earlier iterations whose pairs the PRM also trains on), "
+                        f"got {args.prm_replay}")
+    if args.prm_learning_rate is not None and args.prm_learning_rate <= 0:
+        raise UserError(f"--prm-learning-rate must be > 0, got {args.prm_learning_rate}")
 
 
 def seed_everything(seed):
@@ -842,6 +946,8 @@ def main(args: Args):
     print("eval before training: " + eval_line(first_eval))
 
     G = args.group_size
+    heldout = []  # per iteration with the PRM: (it, correct, pairs) per group, scored before the PRM trained on them
+    replay = deque(maxlen=args.prm_replay)  # the paired batches of the last --prm-replay iterations
     bar = tqdm(range(1, args.num_iterations + 1), desc="istar", dynamic_ncols=True)
     for it in bar:
         t0 = time.time()
@@ -860,7 +966,10 @@ def main(args: Args):
         t2 = time.time()
         outcomes, traj_success, traj_group = trajectory_outcomes(episodes, args.invalid_penalty, threshold)
         if use_prm:
-            tok_r, step_r, pstats = prm_update(model, tok, prm_optimizer, samples, traj_success, traj_group, args)
+            tok_r, step_r, pstats, mine = prm_update(model, tok, prm_optimizer, samples, traj_success, traj_group,
+                                                     args, replay)
+            heldout.append((it, *pstats["heldout_counts"]))
+            replay.appendleft(mine)  # newest first; the deque keeps the last --prm-replay iterations
         else:
             tok_r, step_r, pstats = None, torch.zeros(len(samples)), None
         seconds["prm"] = time.time() - t2
@@ -882,13 +991,14 @@ def main(args: Args):
             save_adapter(model, run_dir)
         bar.set_postfix(success=f"{row['charts/success']:.2f}", reward=f"{row['charts/return']:.2f}",
                         loss=f"{row['losses/policy_loss']:.3f}",
-                        prm_acc=f"{row.get('credit/prm_pair_acc', math.nan):.2f}")
+                        prm_acc=f"{row.get('prm/heldout_pair_acc', math.nan):.2f}")
     if args.num_iterations and not args.eval_every:
         last_eval = run_eval(args.num_iterations)
         logger.log(args.num_iterations, last_eval)
     if args.save_model:
         save_adapter(model, run_dir)
-    return write_summary(run_dir, args, time.time() - t_start, first_eval, last_eval, "eval/success")
+    extra = {"prm_heldout_pair_acc": heldout_summary(heldout, args.num_iterations)} if use_prm else {}
+    return write_summary(run_dir, args, time.time() - t_start, first_eval, last_eval, "eval/success", **extra)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,10 @@ MODES = {
     "grpo": ("GRPO (--alpha 0)", ["--alpha", "0", "--estimator", "grpo"]),
     "istar_token": ("iStar token-level (RLOO)", ["--alpha", "1", "--step-reward-granularity", "token"]),
 }
+# metrics.jsonl of runs written before the PRM statistics moved from credit/ to prm/, read under the new names
+OLD_KEYS = {"credit/prm_pair_acc": "prm/heldout_pair_acc", "credit/prm_pairs": "prm/pairs",
+            "credit/prm_loss": "prm/loss", "credit/prm_margin": "prm/heldout_margin",
+            "credit/prm_grad_norm": "prm/grad_norm"}
 EVAL_KEYS = [("eval/success", "success (T=1)"), ("eval/success_greedy", "success (greedy)"),
              ("eval/episode_length", "episode length")]
 
@@ -58,6 +62,7 @@ def load_runs(out_dir):
             continue
         cfg = json.loads((d / "config.json").read_text())
         rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        rows = [{OLD_KEYS.get(k, k): v for k, v in r.items()} for r in rows]
         add_progress_corr(rows, d / "samples.jsonl")
         runs[(mode_of(cfg), cfg["seed"])] = (cfg, rows, json.loads((d / "summary.json").read_text()))
     return runs
@@ -147,15 +152,15 @@ def report(runs, out_md, out_png, cmd_line, wall):
         head = "| method | statistic | " + " | ".join(f"it {q[i]}-{q[i + 1] - 1}" for i in range(4)) + " |"
         lines += [head, "|" + "---|" * (head.count("|") - 1)]
         for m in prm_modes:
-            for key, name in (("credit/prm_pair_acc", "pair accuracy"), ("credit/prm_pairs", "pairs / iteration"),
-                              ("credit/prm_loss", "DPO loss"),
+            for key, name in (("prm/heldout_pair_acc", "pair accuracy"), ("prm/pairs", "pairs / iteration"),
+                              ("prm/loss", "DPO loss"),
                               ("credit/step_reward_success_mean", "step reward, successful traj."),
                               ("credit/step_reward_failure_mean", "step reward, failed traj."),
                               ("credit/step_reward_progress_corr", "corr(step reward, Δprogress)")):
                 cells = []
                 for i in range(4):
                     vals = [phase_mean(runs[(m, s)][1], key, q[i], q[i + 1]) for s in seeds if (m, s) in runs]
-                    cells.append(fmt(vals, 1 if key == "credit/prm_pairs" else (4 if "step_reward_s" in key or "failure" in key else 3)))
+                    cells.append(fmt(vals, 1 if key == "prm/pairs" else (4 if "step_reward_s" in key or "failure" in key else 3)))
                 lines.append(f"| {MODES[m][0]} | {name} | " + " | ".join(cells) + " |")
     walls = [s["wall_seconds"] for _, _, s in runs.values()]
     lines += ["", f"Wall time per run: median {np.median(walls):.0f} s (one torch thread each, on a shared 2-core "
@@ -176,7 +181,7 @@ def report(runs, out_md, out_png, cmd_line, wall):
     for m in modes:
         for ax, key, title, smooth in ((axes[0], "eval/success", "test success (sampled, T=1)", 1),
                                        (axes[1], "charts/success", "training success (rollouts)", 5),
-                                       (axes[2], "credit/prm_pair_acc", "PRM pair accuracy (before update)", 5)):
+                                       (axes[2], "prm/heldout_pair_acc", "PRM pair accuracy (before update)", 5)):
             curves = []
             for s in seeds:
                 if (m, s) not in runs:

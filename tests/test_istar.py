@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from conftest import REPO, adapter_tensors, assert_adapter_trained, assert_run_outputs, read_metrics
-from istar import (Args, Episode, implicit_step_rewards, istar_advantages, normalize_step_rewards, update,
-                   preference_pairs, prm_update, trajectory_dpo_loss, trajectory_outcomes, trajectory_scores)
+from istar import (Args, Episode, heldout_summary, implicit_step_rewards, istar_advantages, merge_batches,
+                   normalize_step_rewards, pair_counts, paired_batch, pooled_pair_accuracy, preference_pairs,
+                   prm_update, traj_in_pair, trajectory_dpo_loss, trajectory_outcomes, trajectory_scores, update)
 
 torch.set_num_threads(1)
 
@@ -58,6 +59,29 @@ def test_preference_pairs_all_cross_pairs_within_groups():
     assert pairs == {(0, 2), (0, 3), (1, 2), (1, 3)}
 
 
+def test_traj_in_pair():
+    # pairs (0, 1) and (0, 2); groups 1 (all success) and 2 (all failure) have none
+    assert traj_in_pair(torch.tensor(SUCC), torch.tensor(GROUP)).tolist() == [True, True, True, False, False, False]
+
+
+def test_paired_batch_and_merge_batches_renumber_by_hand():
+    # traj 0 is alone in group 0 (no pair); group 1: traj 1 success, 2 failure; group 2: traj 3 failure, 4 success
+    succ, group = torch.tensor([False, True, False, False, True]), torch.tensor([0, 1, 1, 2, 2])
+    samples = [{"traj": t, "k": i} for i, t in enumerate([0, 1, 2, 2, 4, 3])]
+    b1 = paired_batch(samples, succ, group)
+    # kept trajectories 1, 2, 3, 4 -> 0, 1, 2, 3; sample 0 (traj 0) is dropped, the order is kept
+    assert [x["k"] for x in b1["samples"]] == [1, 2, 3, 4, 5] and [x["traj"] for x in b1["samples"]] == [0, 1, 1, 3, 2]
+    assert b1["success"].tolist() == [True, False, False, True] and b1["group"].tolist() == [1, 1, 2, 2]
+    assert samples[1]["traj"] == 1  # the caller's samples are not renumbered
+    b2 = {"samples": [{"traj": 0}, {"traj": 1}], "success": torch.tensor([True, False]), "group": torch.tensor([0, 0])}
+    m = merge_batches([b1, b2])
+    # b2's trajectories follow b1's 4, its group follows b1's largest group id 2
+    assert [x["traj"] for x in m["samples"]] == [0, 1, 1, 3, 2, 4, 5]
+    assert m["group"].tolist() == [1, 1, 2, 2, 3, 3]
+    assert m["success"].tolist() == [True, False, False, True, True, False]
+    assert {tuple(p) for p in preference_pairs(m["success"], m["group"]).tolist()} == {(0, 1), (3, 2), (4, 5)}
+
+
 def test_trajectory_scores_mean_and_sum():
     r = torch.tensor(STEP_R, dtype=torch.float64)
     assert trajectory_scores(r, TRAJ_IX, 6, "mean").tolist() == pytest.approx([0.2, 0.3, -0.1, 0.5, 0.0, 1.0])
@@ -87,6 +111,47 @@ def test_trajectory_dpo_loss_mean_vs_sum_hand_computed():
     #       loss = (softplus(-0.1) + softplus(-0.8)) / 2 = (0.644397 + 0.371101) / 2 = 0.507749
     loss_sum = trajectory_dpo_loss(torch.tensor(STEP_R), TRAJ_IX, SUCC, GROUP, reduce="sum")
     assert float(loss_sum) == pytest.approx(0.507749, abs=1e-6)
+
+
+def test_pair_counts_hand_computed():
+    # mean scores: traj 0 0.2, traj 1 0.3, traj 2 -0.1 -> pair (0, 1) d = -0.1 (wrong), (0, 2) d = 0.3 (right)
+    st = pair_counts(torch.tensor(STEP_R), TRAJ_IX, SUCC, GROUP, "mean")
+    assert st["groups"] == [0] and st["correct"].tolist() == [1.0] and st["pairs"].tolist() == [2.0]
+    assert st["acc"] == pytest.approx(0.5) and st["margin"] == pytest.approx(0.1)
+    assert st["loss"] == pytest.approx((softplus(0.1) + softplus(-0.3)) / 2)  # as the DPO loss above
+    # sum scores: 0.4, 0.3, -0.4 -> d = 0.1 and 0.8, both right
+    st = pair_counts(torch.tensor(STEP_R), TRAJ_IX, SUCC, GROUP, "sum")
+    assert st["acc"] == 1.0 and st["margin"] == pytest.approx(0.45) and st["correct"].tolist() == [2.0]
+    # two groups with pairs, a tie counts as wrong: group 4: S = 0.5 vs 0.5 (tie); group 9: 1.0 vs 0.0 and 1.0 vs 2.0
+    st = pair_counts(torch.tensor([0.5, 0.5, 1.0, 0.0, 2.0]), [0, 1, 2, 3, 4], [True, False, True, False, False],
+                     [4, 4, 9, 9, 9])
+    assert st["groups"] == [4, 9] and st["correct"].tolist() == [0.0, 1.0] and st["pairs"].tolist() == [1.0, 2.0]
+    assert st["acc"] == pytest.approx(1 / 3) and st["margin"] == pytest.approx((0.0 + 1.0 - 1.0) / 3)
+    # no pairs: NaN statistics, no groups
+    st = pair_counts(torch.tensor([0.1, 0.2]), [0, 1], [True, True], [0, 0])
+    assert st["groups"] == [] and math.isnan(st["acc"]) and math.isnan(st["loss"])
+
+
+def test_pooled_pair_accuracy_hand_computed():
+    # c = [1, 3, 0] right of n = [2, 4, 1]: acc = 4/7; residuals c - acc n = -1/7, 5/7, -4/7, squares sum 42/49 = 6/7;
+    # SE = sqrt(3/2 * 6/7) / 7 = sqrt(9/7) / 7 = 0.1619848
+    acc, se = pooled_pair_accuracy([1, 3, 0], [2, 4, 1])
+    assert acc == pytest.approx(4 / 7) and se == pytest.approx(math.sqrt(9 / 7) / 7) and se == pytest.approx(0.1619848)
+    assert pooled_pair_accuracy([2], [3]) == (pytest.approx(2 / 3), 0.0)  # one group: no SE
+    assert all(math.isnan(v) for v in pooled_pair_accuracy([], []))
+
+
+def test_heldout_summary_pools_the_first_and_last_quarter():
+    # 8 iterations -> quarters of 2: iterations 1-2 and 7-8; iteration 5 is in neither, iteration 3 has no pairs
+    held = [(1, np.array([0.0]), np.array([4.0])), (2, np.array([1.0, 2.0]), np.array([2.0, 2.0])),
+            (3, np.zeros(0), np.zeros(0)), (5, np.array([9.0]), np.array([9.0])),
+            (7, np.array([3.0]), np.array([4.0])), (8, np.array([1.0]), np.array([4.0]))]
+    out = heldout_summary(held, 8)
+    first, last = out["first_quarter"], out["last_quarter"]
+    assert first["iterations"] == [1, 2] and first["pairs"] == 8 and first["groups"] == 3
+    assert first["acc"] == pytest.approx(3 / 8) and last["acc"] == pytest.approx(4 / 8) and last["groups"] == 2
+    assert last["se"] == pytest.approx(0.25)  # residuals 3 - 2 = 1 and 1 - 2 = -1: sqrt(2/1 * 2) / 8
+    assert heldout_summary([], 8)["last_quarter"]["acc"] is None  # no pairs: null in summary.json
 
 
 @pytest.mark.parametrize("succ", [[True] * 4, [False] * 4])
@@ -267,12 +332,12 @@ def test_dpo_backward_moves_only_the_prm_adapter():
     args = Args(micro_batch_size=2, beta=0.05)
     opt = torch.optim.AdamW(adapter_params(model, "prm"), lr=1e-2)
     before = _snapshot(model)
-    _, r, stats = prm_update(model, tok, opt, samples, succ, group, args)
-    assert stats["prm_pairs"] == 2
+    _, r, stats, _ = prm_update(model, tok, opt, samples, succ, group, args)
+    assert stats["pairs"] == 2
     # both adapters start with B = 0, so the PRM equals π_old at first: every step reward is 0 and the
     # loss is log 2 (two pairs with equal scores)
     assert r.abs().max() == pytest.approx(0.0, abs=1e-6)
-    assert stats["prm_loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert stats["loss"] == pytest.approx(math.log(2), abs=1e-6)
     after = _snapshot(model)
     moved = {n for n in before if not torch.equal(before[n], after[n])}
     assert moved, "the PRM update changed nothing"
@@ -294,11 +359,85 @@ def test_prm_steps_lower_the_dpo_loss_on_a_fixed_batch():
     opt = torch.optim.AdamW(adapter_params(model, "prm"), lr=3e-2)
     losses, accs = [], []
     for _ in range(8):
-        _, _, stats = prm_update(model, tok, opt, samples, succ, group, args)
-        losses.append(stats["prm_loss"])
-        accs.append(stats["prm_pair_acc"])
+        _, _, stats, _ = prm_update(model, tok, opt, samples, succ, group, args)
+        losses.append(stats["loss"])
+        accs.append(stats["heldout_pair_acc"])
     assert losses[0] == pytest.approx(math.log(2), abs=1e-6)  # PRM == π_old at the start
     assert losses[-1] < 0.6 and accs[-1] == 1.0, (losses, accs)
+
+
+def test_k_prm_steps_equal_k_single_step_updates():
+    """--prm-updates-per-iteration K: K optimizer steps on the batch, each with dL/dr of the moved PRM, i.e. the
+    same as K calls with K = 1 (the pre-update statistics of the first call are those of the K-step call)."""
+    from istar import adapter_params
+
+    succ, group = torch.tensor([True, False, False, True]), torch.tensor([0, 0, 1, 1])
+    finals, first_stats = [], []
+    for k, calls in ((3, 1), (1, 3)):
+        model = _two_adapter_model()
+        tok = SimpleNamespace(pad_token_id=0)
+        samples = _samples(model, tok)
+        opt = torch.optim.AdamW(adapter_params(model, "prm"), lr=3e-2)
+        args = Args(micro_batch_size=3, beta=0.5, prm_updates_per_iteration=k)
+        for c in range(calls):
+            _, _, stats, _ = prm_update(model, tok, opt, samples, succ, group, args)
+            if c == 0:
+                first_stats.append(stats["loss"])
+        finals.append(([p.detach().clone() for p in adapter_params(model, "prm")], stats["train_loss_after"]))
+    (p3, loss3), (p1, loss1) = finals
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(p3, p1))
+    assert loss3 == pytest.approx(loss1, abs=1e-6) and loss3 < math.log(2) - 0.05  # three steps fit the batch
+    assert first_stats[0] == first_stats[1] == pytest.approx(math.log(2), abs=1e-6)
+
+
+def test_replay_gradient_is_the_pooled_dpo_gradient_over_both_iterations():
+    """--prm-replay: one step on this iteration's pairs and an earlier iteration's, each scored against its own
+    π_θold: the gradient equals one backward of the DPO loss averaged over the pairs of both."""
+    from istar import adapter_params, completion_logprobs
+
+    model = _two_adapter_model()
+    tok = SimpleNamespace(pad_token_id=0)
+    with torch.no_grad():
+        for p in adapter_params(model, "prm"):
+            p.add_(0.3 * torch.randn_like(p))
+    samples = _samples(model, tok)
+    succ, group = torch.tensor([True, False, False, True]), torch.tensor([0, 0, 1, 1])
+    # the earlier iteration: the same steps, other labels and another reference (its π_θold)
+    earlier = [dict(x, old=x["old"] - 0.4 * (i % 3)) for i, x in enumerate(samples)]
+    succ_e, group_e = torch.tensor([False, True, True, False]), torch.tensor([5, 5, 6, 6])
+    old_batch = paired_batch(earlier, succ_e, group_e)
+    args = Args(micro_batch_size=3, beta=0.5)
+    params = adapter_params(model, "prm")
+    opt = torch.optim.AdamW(params, lr=0.0)
+    _, _, stats, _ = prm_update(model, tok, opt, samples, succ, group, args, replay=[old_batch])
+    assert stats["pairs"] == 2 and stats["train_pairs"] == 4
+    got = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    model.set_adapter("prm")
+    model.train()
+    both = samples + earlier
+    lp, m = completion_logprobs(model, tok, [x["prompt"] for x in both], [x["completion"] for x in both])
+    old = torch.zeros_like(lp)
+    for j, x in enumerate(both):
+        old[j, lp.shape[1] - len(x["old"]):] = x["old"]
+    r = implicit_step_rewards(lp, old, m, args.beta)
+    traj = [x["traj"] for x in samples] + [x["traj"] + 4 for x in earlier]
+    loss = trajectory_dpo_loss(r, traj, torch.cat([succ, succ_e]), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3]), "mean")
+    loss.backward()
+    for a, b in zip(got, [p.grad for p in params]):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
+    assert max(float(g.abs().max()) for g in got) > 0
+
+
+@pytest.mark.parametrize("flag", [{"prm_updates_per_iteration": 0}, {"prm_learning_rate": 0.0}, {"beta": 0.0},
+                                  {"prm_replay": -1}])
+def test_bad_prm_options_are_user_errors(flag):
+    from common.models import UserError
+    from istar import check_args
+
+    with pytest.raises(UserError, match="--" + next(iter(flag)).replace("_", "-")):
+        check_args(Args(**flag))
 
 
 def test_two_pass_dpo_gradient_equals_pooled_backward():
@@ -372,8 +511,10 @@ def test_end_to_end_istar(run_method):
         assert math.isfinite(r["losses/policy_loss"])
     # which groups hold both a success and a failure depends on the sampled episodes; at least one
     # iteration must have had pairs (the PRM adapter is checked as trained above)
-    paired = [r for r in rows if r["credit/prm_pairs"] >= 1]
-    assert paired and all(0.0 <= r["credit/prm_pair_acc"] <= 1.0 for r in paired)
+    paired = [r for r in rows if r["prm/pairs"] >= 1]
+    assert paired and all(0.0 <= r["prm/heldout_pair_acc"] <= 1.0 for r in paired)
+    held = summary["prm_heldout_pair_acc"]["last_quarter"]  # 2 iterations: the last quarter is iteration 2
+    assert held["iterations"] == [2, 2] and (held["acc"] is None) == (held["pairs"] == 0)
     for key in ("eval/success", "eval/success_greedy"):
         assert 0.0 <= summary["last_eval"][key] <= 1.0
     assert set(adapter_tensors(run_dir)) != set() and set(adapter_tensors(run_dir, "prm")) != set()
@@ -383,7 +524,7 @@ def test_end_to_end_alpha0_baseline(run_method):
     run_dir = run_method("istar.py", *SMALL[:1], "1", *SMALL[2:], "--alpha", "0", "--estimator", "grpo")
     assert_run_outputs(run_dir)
     assert_adapter_trained(run_dir)
-    assert not any("credit/prm_loss" in r for r in read_metrics(run_dir))
+    assert not any("prm/loss" in r for r in read_metrics(run_dir))
 
 
 def test_bad_flag_is_one_clear_line(tiny_cache):
