@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from learning import read_results, user_command  # noqa: E402  (the runner writes the files read here)
 
-SEEDS = (4, 5, 6, 7, 8)  # held-out seeds: the defaults were tuned on seeds 1-3
+SEEDS = (4, 5, 6)  # held-out seeds: the defaults were tuned on seeds 1-3 (EPO's on 4-6, so its table uses 7-9)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -80,29 +80,22 @@ class Table:
 
 TABLES = [
     Table("graphgpo", "docs/graphgpo.md", "graphgpo",
-          {"graphgpo": ("GraphGPO", ""), "grpo": ("GRPO", "--step-advantage none"),
-           "gigpo": ("GiGPO", "--step-advantage gigpo")}, method="graphgpo", baselines=("grpo", "gigpo")),
+          {"graphgpo": ("GraphGPO", ""), "grpo": ("GRPO", "--step-advantage none")}, method="graphgpo",
+          baselines=("grpo",)),
     Table("istar", "docs/istar.md", "istar",
           {"istar": ("iStar (RLOO)", ""), "rloo": ("RLOO", "--alpha 0")}, method="istar", baselines=("rloo",)),
     Table("delta_belief", "docs/delta_belief.md", "delta_belief",
           {"delta": ("ΔBelief-RL", ""), "starpo": ("StarPO", "--reward-mode starpo")},
-          method="delta", baselines=("starpo",)),
+          method="delta", baselines=("starpo",),
+          note="Twenty Questions with compound secrets (the default env); the test secrets are unseen thing-colour pairs."),
     Table("aria", "docs/aria.md", "aria",
           {"aria": ("ARIA", ""), "reinforce": ("REINFORCE", "--no-aggregate")}, method="aria",
           baselines=("reinforce",), note="Bargaining self-play (the default env); the metric is the payoff share "
                                         "against the scripted styles."),
-    Table("aria_twenty_questions", "docs/aria.md", "aria",
-          {"aria": ("ARIA", ""), "reinforce": ("REINFORCE", "--no-aggregate")}, method="aria",
-          baselines=("reinforce",), extra="--env-id twenty_questions"),
     Table("epo", "docs/epo.md", "epo",
-          {"epo": ("EPO", ""), "prm_none": ("outcome only", "--prm none"), "ones": ("EPO-SFT", "--weights ones")},
-          method="epo", baselines=("prm_none", "ones")),
-    Table("epo_scripted", "docs/epo.md", "epo",
-          {"epo": ("EPO vs scripted styles", "--train-opponent rule:any --return-norm batch --prm-min-final 0.5"),
-           "prm_none": ("outcome only", "--train-opponent rule:any --return-norm batch --prm none")},
-          method="epo", baselines=("prm_none",), extra="--num-iterations 40 --eval-every 10 --eval-num-tasks 0",
-          note="EPO's best setting so far (docs/learning.md): trained against the scripted styles, 40 iterations, "
-               "evaluated on all test tasks."),
+          {"epo": ("EPO", ""), "prm_none": ("outcome only", "--prm none")}, method="epo", baselines=("prm_none",),
+          seeds=(7, 8, 9), note="The tiny strategist against the scripted styles (the default); seeds 7-9, because "
+                                "its defaults were chosen on seeds 4-6."),
 ]
 
 
@@ -122,11 +115,13 @@ SUMMARY = Summary()
 TESTBEDS_DOC = "README.md"  # <!-- results:testbeds -->
 TESTBED_NOTES = {
     "sokoban": "1 box, no history, no instruction text; eps 0.2, 1500 steps x 128, action smoothing 0.3",
-    "twenty_questions": "no instruction text, unnumbered history; 800 steps x 128, lr 2e-3",
+    "twenty_questions": "compound secrets (test secrets: unseen thing-colour pairs), demos on train secrets only, candidate "
+                        "list once 5 are left, no instruction text, unnumbered history; 800 steps x 128, lr 2e-3",
     "guess_my_city": "demos over all cities, no instruction text; 400 steps x 128, lr 2e-3",
-    "bargaining": "none (600 steps x 64)",
+    "bargaining": "0.3 of the demonstration labels are random moves (`label_noise`; 600 steps x 64)",
     "negotiation": "none (600 steps x 64)",
-    "negotiation_strategist": "`moves=strategy`: EPO's strategist writes strategies, a rule agent turns them into offers",
+    "negotiation_strategist": "`moves=strategy` (EPO's strategist writes strategies, a rule agent turns them into offers), "
+                              "every past move shown, 30% of the demos by the style-aware expert",
     "webshop": "no task line; eps 0.2, 1200 steps x 64",
     "alfworld": "no past turns in the prompt (`history=0`); eps 0.2",
 }
