@@ -412,7 +412,13 @@ def render_report(records) -> str:
                 lines.append(f"\n{fmt}: all {r['batch_episodes']} episodes in one batch (one generate per turn), "
                              f"{r['batch_seconds']:.0f} s, {r['tokens_per_second']:.1f} generated tokens/s, "
                              f"peak memory {r['peak_rss_gb']:.2f} GB, {r['threads']} torch threads (fp32).")
-        lines.append("")
+        lines += ["", "What the invalid turns are: the 135M instruct model does not follow the envs' formats. Greedy, "
+                  "64 new tokens, the first test task (a check by hand with the scripts' own `render_prompt` and "
+                  "`generate`): on Twenty Questions (word game) it wrote `No questions asked yet.\\nQuestion 2 of "
+                  "20:` (it continues the user message; the env: \"not a single question\"), on Sokoban "
+                  "`#1\\n#2\\n#3 ...` until cut; neither has `<action>`. So the zero rows measure the model, not the "
+                  "parser: a run on SmolLM2 starts from a policy with almost no valid actions, which is why the "
+                  "RL stage first fine-tunes it on the expert demonstrations (`sft-rl`).", ""]
     tm = latest(records, "timing", lambda r: (r["script"], r["four_bit"]))
     if tm:
         any_r = next(iter(tm.values()))
