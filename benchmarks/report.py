@@ -306,18 +306,18 @@ def render_testbeds(root: Path) -> str:
     if not manifest_path.is_file():
         return head + " No shipped policies yet: `python -m common.tiny --testbed all --ship`."
     policies = json.loads(manifest_path.read_text())["policies"]
-    out = [head + " Success on the env's first 100 test tasks (all 48 test secrets for Twenty Questions), "
+    out = [head + " Success on the env's first 100 test tasks (all of them where there are fewer; `n`: how many), "
            "greedy and sampled at temperature 1 (`top_k=0`; two-player games: the win rate against the scripted "
            "fair style in both roles), ± SE. Build: wall seconds with the machine's 1-minute load average, "
            "CPU seconds, torch threads.",
            "",
-           "| testbed | shipped policy | recipe (differences from the default preset) | greedy | sampled (T=1) "
+           "| testbed | shipped policy | recipe (differences from the default preset) | n | greedy | sampled (T=1) "
            "| MB | build wall s (load) | CPU s | threads |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|"]
     by_testbed = {e["testbed"]: (name, e) for name, e in policies.items()}
     for testbed in list(TESTBED_NOTES) + sorted(set(by_testbed) - set(TESTBED_NOTES)):
         if testbed not in by_testbed:
-            out.append(f"| {testbed} | not shipped | {TESTBED_NOTES.get(testbed, '')} | | | | | | |")
+            out.append(f"| {testbed} | not shipped | {TESTBED_NOTES.get(testbed, '')} | | | | | | | |")
             continue
         name, e = by_testbed[testbed]
         meta = json.loads((root / "common" / "weights" / name / "tiny_meta.json").read_text())
@@ -325,7 +325,7 @@ def render_testbeds(root: Path) -> str:
         n = succ["greedy"]["episodes"]
         g, sp = succ["greedy"]["success"], succ["sampled"]["success"]
         load = meta.get("load_average") or [float("nan")]
-        out.append(f"| {testbed} | `{name}` | {TESTBED_NOTES.get(testbed, '')} | {g:.2f} ± {_rate_se(g, n):.2f} | "
+        out.append(f"| {testbed} | `{name}` | {TESTBED_NOTES.get(testbed, '')} | {n} | {g:.2f} ± {_rate_se(g, n):.2f} | "
                    f"{sp:.2f} ± {_rate_se(sp, n):.2f} | {e['bytes'] / 2**20:.1f} | {meta['build_seconds']:.0f} "
                    f"({load[0]:.1f}) | {meta['build_cpu_seconds']:.0f} | {meta['torch_threads']} |")
     return "\n".join(out)
