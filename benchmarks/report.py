@@ -425,7 +425,7 @@ def update_docs(root: Path, check: bool, tables=TABLES, summary=SUMMARY) -> tupl
         if new != text:
             stale.append(f"{doc}: results:{key}")
         texts[doc] = new
-    known = {t.key for t in tables} | {summary.key, "testbeds"}
+    known = {t.key for t in tables} | {summary.key, "testbeds", "first_iteration"}  # first_iteration.py writes its own
     for path in sorted([root / "README.md", *(root / "docs").glob("*.md")]):
         for m in MARKER.finditer(path.read_text() if path.is_file() else ""):
             if m[2] not in known and not m[1]:

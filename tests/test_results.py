@@ -17,6 +17,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import learning  # noqa: E402
 import report  # noqa: E402
+import first_iteration  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
 # A toy benchmark: method "m" and baseline "b" on seeds 4, 5, 6
@@ -261,3 +262,13 @@ def test_runner_end_to_end_micro(tiny_cache, tmp_path):
     assert again.returncode == 0 and "0 to run, 1 already in" in again.stdout, again.stdout + again.stderr
     assert len(learning.read_results(out)) == 1, "a run already in the results file is not run again"
 
+
+
+def test_first_iteration_clock_stops_at_the_first_training_row(tmp_path):
+    m = tmp_path / "metrics.jsonl"
+    assert first_iteration.first_training_row(m) is None  # not written yet
+    m.write_text(json.dumps({"iteration": 0, "eval/success": 0.3}) + "\n" + '{"iteration": 1, "charts/succ')
+    assert first_iteration.first_training_row(m) is None  # the evaluation before training, then a partial line
+    m.write_text(json.dumps({"iteration": 0, "eval/success": 0.3}) + "\n"
+                 + json.dumps({"iteration": 1, "charts/success": 0.1}) + "\n")
+    assert first_iteration.first_training_row(m) == {"iteration": 1, "charts/success": 0.1}
