@@ -120,7 +120,8 @@ class Args:
     learning_rate: Optional[float] = None
     """policy AdamW lr; None: 5e-4 on the tiny policy, 1e-5 on a real model (paper 5e-7 is full fine-tuning)"""
     prm_learning_rate: Optional[float] = None
-    """PRM AdamW lr; None: 2x the policy lr (paper: 1e-6 vs 5e-7)"""
+    """PRM AdamW lr; None: 4e-3 on the tiny policy (docs/istar.md, "PRM settings on the tiny policy"), 2x the policy
+    lr on a real model (paper: 1e-6 vs 5e-7; official: 2x)"""
     weight_decay: float = 0.0
     """AdamW weight decay of both optimizers (official: 0)"""
     max_grad_norm: float = 1.0
@@ -144,9 +145,11 @@ class Args:
     dpo_reduce: Literal["mean", "sum"] = "mean"
     """trajectory score of the DPO loss: mean (official) or sum (Eq. 2 literally) of its step rewards"""
     prm_updates_per_iteration: int = 1
-    """PRM optimizer steps per iteration on the iteration's pairs (official: 1; the paper does not say)"""
-    prm_replay: int = 0
-    """the PRM also trains on the pairs of this many earlier iterations, each against its own π_θold (0: none)"""
+    """PRM optimizer steps per iteration on the iteration's pairs (official: 1; the paper does not say; more steps
+    did not help the tiny policy's PRM, docs/istar.md, "PRM settings on the tiny policy")"""
+    prm_replay: Optional[int] = None
+    """the PRM also trains on the pairs of this many earlier iterations, each against its own π_θold; None: 4 on
+    the tiny policy (docs/istar.md, "PRM settings on the tiny policy"), 0 on a real model (official: none)"""
     positive_threshold: Optional[float] = None
     """None: positive = info['success']; a number: positive = outcome r_o > it (negotiation default: 6, as SOTOPIA)"""
     invalid_penalty: float = 0.1
@@ -882,11 +885,28 @@ def check_args(args):
     if args.prm_updates_per_iteration < 1:
         raise UserError(f"--prm-updates-per-iteration must be >= 1, got {args.prm_updates_per_iteration} "
                         "(--alpha 0 turns the PRM off)")
-    if args.prm_replay < 0:
+    if args.prm_replay is not None and args.prm_replay < 0:
         raise UserError(f"--prm-replay must be >= 0 (earlier iterations whose pairs the PRM also trains on), "
                         f"got {args.prm_replay}")
     if args.prm_learning_rate is not None and args.prm_learning_rate <= 0:
         raise UserError(f"--prm-learning-rate must be > 0, got {args.prm_learning_rate}")
+
+
+# What the PRM options left at None resolve to. A real model: the official code's settings (one DPO step per
+# iteration on the iteration's pairs, PRM lr = 2x the policy lr as in the paper, no replay). The tiny policy: the
+# cheapest setting under which the implicit PRM learns within the default run (held-out pair accuracy >= 0.65 at
+# the end), chosen with benchmarks/istar_prm_diag.py on tuning seed 1; with the official settings its DPO loss
+# stays at ln 2 (docs/istar.md, "PRM settings on the tiny policy").
+TINY_PRM_DEFAULTS = dict(prm_learning_rate=4e-3, prm_replay=4)
+
+
+def resolve_prm_defaults(args, is_tiny, lr):
+    """Fill `prm_learning_rate` and `prm_replay` left at None: TINY_PRM_DEFAULTS on the tiny policy, the official
+    settings on a real model (2x the policy lr `lr`, no replay)."""
+    official = dict(prm_learning_rate=2 * lr, prm_replay=0)
+    for key, value in (TINY_PRM_DEFAULTS if is_tiny else official).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
 
 
 def seed_everything(seed):
@@ -913,7 +933,8 @@ def main(args: Args):
     if threshold is None and args.env_id == "negotiation":
         threshold = 6.0  # 0-10 score, positives above 6 (paper's SOTOPIA rule)
     lr = args.learning_rate if args.learning_rate is not None else defaults.learning_rate
-    prm_lr = args.prm_learning_rate if args.prm_learning_rate is not None else 2 * lr
+    resolve_prm_defaults(args, defaults.is_tiny, lr)  # PRM lr and replay
+    prm_lr = args.prm_learning_rate
     max_new = args.max_new_tokens or defaults.max_new_tokens
     use_prm = args.alpha != 0
 
@@ -929,6 +950,7 @@ def main(args: Args):
     prm_optimizer = torch.optim.AdamW(prm_params, lr=prm_lr, weight_decay=args.weight_decay)
 
     run_dir, logger = start_run(args, {"resolved_learning_rate": lr, "resolved_prm_learning_rate": prm_lr,
+                                       "resolved_prm_replay": args.prm_replay,
                                        "resolved_max_new_tokens": max_new, "max_turns_resolved": probe.max_turns,
                                        "resolved_positive_threshold": threshold, "env_kwargs": env_kwargs,
                                        "num_train_tasks": len(train_tasks), "num_test_tasks": len(test_tasks)})

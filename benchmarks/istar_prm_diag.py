@@ -1,5 +1,5 @@
 """Does iStar's implicit PRM learn, and with which settings? Several PRM settings trained side by side on one
-stream of rollouts, so that they are compared on the same pairs (docs/istar.md, "Why the PRM did not learn").
+stream of rollouts, so that they are compared on the same pairs (docs/istar.md, "PRM settings on the tiny policy").
 
     python benchmarks/istar_prm_diag.py run --seed 1 --configs lr=1e-3 lr=4e-3 lr=1e-3,k=4
     python benchmarks/istar_prm_diag.py report          # table from runs/istar_prm_diag/results.jsonl
@@ -13,7 +13,8 @@ on them), the DPO loss and margin, and how well the step rewards tell optimal mo
 the iteration's steps: the probability that a step whose move lowered the solver's distance to the goal by one
 has a higher implicit reward than one whose move did not; 0.5 = no step credit). One torch thread.
 A setting is `key=value` pairs joined by commas: lr (PRM learning rate), k (--prm-updates-per-iteration),
-beta, reduce (mean/sum), replay (--prm-replay).
+beta, reduce (mean/sum), replay (--prm-replay); a key left out takes the official code's value (lr 2x the policy
+lr, k 1, replay 0), not istar.py's tiny-policy default.
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ def cmd_run(a):
     configs = []
     for text in a.configs:
         c = parse_config(text)
-        args = dataclasses.replace(base, alpha=1.0, **{"prm_learning_rate": 2 * lr, **c})
+        official = {"prm_learning_rate": 2 * lr, "prm_updates_per_iteration": 1, "prm_replay": 0}
+        args = dataclasses.replace(base, alpha=1.0, **{**official, **c})
         configs.append({"name": text, "args": args, "weights": [w.clone() for w in init],
                         "opt": torch.optim.AdamW(prm_params, lr=args.prm_learning_rate),
                         "replay": deque(maxlen=args.prm_replay), "cpu": 0.0})

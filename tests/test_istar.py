@@ -440,6 +440,23 @@ def test_bad_prm_options_are_user_errors(flag):
         check_args(Args(**flag))
 
 
+@pytest.mark.parametrize("is_tiny", [True, False])
+def test_prm_defaults_resolve_by_model(is_tiny):
+    """PRM lr and replay left at None: the tiny policy's tuned setting (docs/istar.md, "PRM settings on the tiny
+    policy"), else the official one (2x the policy lr, no replay); one PRM step per iteration for both; a value
+    given on the command line is kept."""
+    from istar import check_args, resolve_prm_defaults
+
+    args = Args()
+    check_args(args)
+    resolve_prm_defaults(args, is_tiny, 1e-5)
+    got = (args.prm_learning_rate, args.prm_replay, args.prm_updates_per_iteration)
+    assert got == ((4e-3, 4, 1) if is_tiny else (pytest.approx(2e-5), 0, 1))
+    given = Args(prm_learning_rate=3e-4, prm_replay=0)
+    resolve_prm_defaults(given, is_tiny, 1e-5)
+    assert (given.prm_learning_rate, given.prm_replay) == (3e-4, 0)
+
+
 def test_two_pass_dpo_gradient_equals_pooled_backward():
     """prm_update re-injects dL/dr per micro-batch; its gradient must equal one pooled backward."""
     from istar import adapter_params, completion_logprobs
