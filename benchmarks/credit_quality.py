@@ -269,6 +269,12 @@ def _finish(method: str, env_id: str, labels: tuple, rows: list, states: list, t
                 rows=out_rows, **extra)
 
 
+def _check_replay(env, observations: Sequence[str], traj_id) -> None:
+    """The replayed single-agent episode must have ended with the observations the rollout saw."""
+    if not env.done or [o for _, o in env.trajectory] != list(observations):
+        raise RuntimeError(f"replaying episode {traj_id} did not reproduce its observations")
+
+
 def _prefix_keys(task_id, texts: Sequence[str], tag=()) -> list:
     """keys[t] = (tag, task, texts[:t]): the state before turn t, exactly (the envs are deterministic)."""
     return [(tag, str(task_id), tuple(texts[:t])) for t in range(len(texts))]
@@ -320,6 +326,7 @@ def graphgpo_batch(cfg: Config, env_id: str = "sokoban", argv: Sequence[str] = (
         env = new_env()
         env.reset(ep.task_id)
         states += replayed_states(env, played)
+        _check_replay(env, ep.observations, ep.traj_id)
         texts += played
         keys += _prefix_keys(ep.task_id, played)
         rets += [reward] * ep.length
@@ -421,6 +428,7 @@ def istar_batch(cfg: Config, env_id: str = "sokoban", argv: Sequence[str] = (), 
         env = new_env()
         env.reset(ep.task_id)
         states += replayed_states(env, played)
+        _check_replay(env, ep.observations, ep.traj_id)
         texts += played
         keys += _prefix_keys(ep.task_id, played)
         rets += [reward] * ep.length
@@ -435,7 +443,8 @@ def istar_batch(cfg: Config, env_id: str = "sokoban", argv: Sequence[str] = (), 
                        dict(episodes=len(episodes), success=float(np.mean([e.success for e in episodes])),
                             prm_warm_batches=warm_batches, prm_heldout_pair_acc=pstats["heldout_pair_acc"],
                             prm_pairs=pstats["pairs"],
-                            return_measured=f"env return ({args.sokoban_reward} reward) - {args.invalid_penalty:g} x invalid actions"))
+                            return_measured=(f"env return ({args.sokoban_reward} reward)" if env_id == "sokoban" else "env return")
+                            + f" - {args.invalid_penalty:g} x invalid actions"))
 
 
 def delta_belief_batch(cfg: Config, env_id: str = "twenty_questions", argv: Sequence[str] = ()) -> dict:
@@ -496,6 +505,7 @@ def delta_belief_batch(cfg: Config, env_id: str = "twenty_questions", argv: Sequ
         env = new_env()
         env.reset(ep.task_id)
         states += replayed_states(env, played)
+        _check_replay(env, ep.observations, ep.traj_id)
         texts += played
         keys += _prefix_keys(ep.task_id, played)
         rets += [reward] * ep.length
@@ -544,7 +554,14 @@ def aria_batch(cfg: Config, env_id: str = "bargaining", argv: Sequence[str] = ()
         raise ValueError("aria_batch compares ARIA's aggregated rewards with the raw returns: leave --aggregate on")
     by_step = {(x["traj"], x["turn"]): x for x in samples}
 
+    import envs
+
+    two_player = env_id in envs.TWO_PLAYER
+
     def outcome_of(player):
+        if not two_player:
+            return final_return  # a single-agent env: R = 1 if solved (aria.py's rollout)
+
         def reward(step, env) -> float:
             return float(min(1.0, max(0.0, env.progress(player)))) if step.done else 0.0
         return reward
@@ -554,8 +571,10 @@ def aria_batch(cfg: Config, env_id: str = "bargaining", argv: Sequence[str] = ()
         played = [ar.completion_text(tok, s["completion"]) for s in ep.steps]
         game = new_env().reset(ep.task_id)
         states += replayed_states(game, played)
-        if abs(float(np.mean(list(game.env.payoffs().values()))) - ep.env_return) > 1e-9:
+        if two_player and abs(float(np.mean(list(game.env.payoffs().values()))) - ep.env_return) > 1e-9:
             raise RuntimeError(f"replaying game {ep.traj_id} did not reproduce its payoffs")
+        if not two_player:
+            _check_replay(game.env, ep.utterances[1::2], ep.traj_id)
         texts += played
         keys += _prefix_keys(ep.task_id, played)
         for t, s in enumerate(ep.steps):
@@ -563,13 +582,16 @@ def aria_batch(cfg: Config, env_id: str = "bargaining", argv: Sequence[str] = ()
             x = by_step[(ep.traj_id, t)]
             rows.append(dict(traj=ep.traj_id, group=ep.traj_id, turn=t, player=s["player"],
                              outcome=float(ep.outcome.get(s["player"], 0.0)), deal=bool(ep.success),
+                             bucket=("deal" if ep.success else "no deal") if two_player else
+                             ("solved" if ep.success else "not solved"),
                              credit={"ARIA": x["weight"], "REINFORCE": x["raw"]}))
     with torch.no_grad():
         return _finish("aria", env_id, ("ARIA", "REINFORCE"), rows, states, texts, keys, rets,
                        model_policy(ar, model, tok, args.temperature, args.max_new_tokens), cfg,
                        dict(episodes=len(episodes), success=float(np.mean([e.success for e in episodes])),
                             selected_k=cstats["credit/selected_k"],
-                            return_measured="the acting seat's normalised payoff (deal position in [0, 1]), self-play"))
+                            return_measured=("the acting seat's normalised payoff (deal position in [0, 1]), self-play"
+                                             if two_player else "1 if solved, else 0")))
 
 
 def epo_batch(cfg: Config, env_id: str = "negotiation", argv: Sequence[str] = ()) -> dict:
@@ -663,7 +685,7 @@ DEFAULTS = {
     "istar": Config(tasks=4, group=8, n=32, turns=80),
     "delta_belief": Config(tasks=4, group=8, n=16, turns=50),
     "aria": Config(tasks=8, group=8, n=32, turns=80),
-    "epo": Config(tasks=8, group=8, n=16, turns=80),
+    "epo": Config(tasks=8, group=8, n=32, turns=80),
 }
 REPORT_BEGIN, REPORT_END = "<!-- credit-quality:begin -->", "<!-- credit-quality:end -->"
 
@@ -671,6 +693,8 @@ REPORT_BEGIN, REPORT_END = "<!-- credit-quality:begin -->", "<!-- credit-quality
 def _bucket(method: str, row: dict) -> str:
     """The success context of a turn: its group's success rate (groups of one task), or for the
     two-player games its own game's result."""
+    if "bucket" in row:
+        return row["bucket"]
     if method == "aria":
         return "deal" if row["deal"] else "no deal"
     if method == "epo":
@@ -736,9 +760,13 @@ def report(data: dict) -> str:
     sizes, the reliability of A*, and the breakdowns by group size and by success context."""
     res = data["results"]
     envs_ = list(dict.fromkeys(r["env"] for r in res.values()))
-    lines = [f"Seed {data['seed']}; {data['seconds'] / 60:.1f} min in all ({data.get('machine', '')}). "
+    total = sum(r["seconds"] for r in res.values())
+    lines = [f"Seed {data['seed']}; {total / 60:.1f} min in all, the sum of the per-method times below "
+             f"({data.get('machine', '')}). "
              "Each cell: Spearman ρ of the credit with A* / AUC of the credit for A* > 0 vs A* < 0, over the "
-             "scored turns; 95% intervals (bootstrap over episodes) in the tables below.", "",
+             "scored turns; 95% intervals (bootstrap over episodes) in the tables below."
+             + "".join(f" Added later (seed {x['seed']}, {x['seconds'] / 60:.1f} min): {', '.join(x['results'])}."
+                       for x in data.get("appended", [])), "",
              "| credit (method, then its baseline) | " + " | ".join(envs_) + " |",
              "|---|" + "---|" * len(envs_)]
     for m, r in res.items():
@@ -829,6 +857,11 @@ def main(argv=None) -> dict:
     p.add_argument("--turns", type=int, default=None, help="scored turns per method (0: all; default: per method)")
     p.add_argument("--tasks", type=int, default=None, help="tasks (groups) per batch (default: per method)")
     p.add_argument("--group", type=int, default=None, help="episodes per task (default: per method)")
+    p.add_argument("--extra", nargs="*", default=[], metavar="METHOD:ENV",
+                   help="also measure a method on another env with a shipped tiny policy, e.g. aria:twenty_questions "
+                        "graphgpo:webshop istar:webshop (not part of the default run)")
+    p.add_argument("--append", action="store_true", help="add the results to those already in --out (e.g. a "
+                   "later --methods ... --extra ... run) instead of replacing them")
     p.add_argument("--tiny-preset", default=None, help="e.g. micro: a fast smoke run with untrained micro policies")
     p.add_argument("--reps", type=int, default=1000, help="bootstrap resamples")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
@@ -847,22 +880,30 @@ def main(argv=None) -> dict:
     t0 = time.time()
     data = {"seed": a.seed, "machine": f"{platform.machine()}, {torch.get_num_threads()} torch thread(s)",
             "argv": list(argv) if argv is not None else None, "results": {}}
-    for m in a.methods:
+    jobs = [(m, m, None) for m in a.methods] + [(x, *x.split(":", 1)) for x in a.extra]
+    for key, m, env_id in jobs:
+        key = key.replace(":", "@")
         d = DEFAULTS[m]
         cfg = Config(tasks=a.tasks or d.tasks, group=a.group or d.group, n=a.n or d.n,
                      turns=d.turns if a.turns is None else a.turns, seed=a.seed)
         t1 = time.time()
         extra = ["--tiny-preset", a.tiny_preset] if a.tiny_preset else []
-        res = ADAPTERS[m](cfg, argv=extra)
+        res = ADAPTERS[m](cfg, argv=extra, **({"env_id": env_id} if env_id else {}))
         res["seconds"] = time.time() - t1
         res["summary"] = summarize(res, a.reps)
-        data["results"][m] = res
+        data["results"][key] = res
         s = res["summary"]
-        print(f"{m}: {res['seconds']:.0f} s, reliability {s['reliability']:.2f}; " + "; ".join(
+        print(f"{key}: {res['seconds']:.0f} s, reliability {s['reliability']:.2f}; " + "; ".join(
             f"{lab} rho {s['credit'][lab]['spearman']:.2f} auc {s['credit'][lab]['auc']:.2f}" for lab in res["labels"]),
             flush=True)
     data["seconds"] = time.time() - t0
     data = _jsonable(data)
+    if a.append and a.out and Path(a.out).exists():
+        old = json.loads(Path(a.out).read_text())
+        old.setdefault("appended", []).append({k: data[k] for k in ("seed", "machine", "argv", "seconds")}
+                                              | {"results": list(data["results"])})
+        old["results"].update(data["results"])
+        data = old
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(data, indent=1, ensure_ascii=False))
