@@ -724,6 +724,14 @@ def summarize(result: dict, reps: int = 1000) -> dict:
     for lab in result["labels"]:
         c = np.array([r["credit"][lab] for r in rows])
         out["credit"][lab] = _stats(c, a, traj, reps, seed)
+    main = np.array([r["credit"][result["labels"][0]] for r in rows])
+    out["vs_method"] = {}
+    for lab in result["labels"][1:]:  # the method minus each baseline, on the same resampled episodes
+        pair = np.stack([main, [r["credit"][lab] for r in rows]], axis=1)
+        out["vs_method"][lab] = {}
+        for name, fn in (("spearman", spearman), ("auc", auc)):
+            v, lo, hi = bootstrap_ci(lambda c, a_, fn=fn: fn(c[:, 0], a_) - fn(c[:, 1], a_), pair, a, traj, reps, seed)
+            out["vs_method"][lab][name], out["vs_method"][lab][name + "_ci"] = v, [lo, hi]
     sizes = sorted({s for r in rows for s in r.get("credit_by_group_size", {})}, key=int)
     for s in sizes:
         out["by_group_size"][s] = {lab: _stats(np.array([r["credit_by_group_size"][s][lab] for r in rows]), a, traj,
@@ -794,6 +802,9 @@ def report(data: dict) -> str:
         for lab in r["labels"]:
             st = s["credit"][lab]
             lines.append(f"| {lab} | {_num(st['spearman'], st['spearman_ci'])} | {_num(st['auc'], st['auc_ci'])} |")
+        for lab, st in s.get("vs_method", {}).items():
+            lines.append(f"| {r['labels'][0]} minus {lab} (paired) | {_num(st['spearman'], st['spearman_ci'])} | "
+                         f"{_num(st['auc'], st['auc_ci'])} |")
         if s["by_group_size"]:
             sizes = sorted(s["by_group_size"], key=int)
             lines += ["", "By the group size the credit is computed with (the same turns and A*; groups split into "
@@ -873,8 +884,12 @@ def main(argv=None) -> dict:
     import torch
 
     torch.set_num_threads(a.threads)
-    if a.report_only:
+    if a.report_only:  # the summaries are recomputed from the stored turns (and stored again)
         data = json.loads(Path(a.out).read_text())
+        for res in data["results"].values():
+            res["summary"] = summarize(res, a.reps)
+        data = _jsonable(data)
+        Path(a.out).write_text(json.dumps(data, indent=1, ensure_ascii=False))
         write_report(data, a.doc)
         return data
     t0 = time.time()

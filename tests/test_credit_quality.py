@@ -172,6 +172,9 @@ def test_summary_and_report_between_the_markers(tmp_path):
     assert s["credit"]["M"]["spearman"] == pytest.approx(1.0) and s["credit"]["M"]["auc"] == 1.0
     assert s["credit"]["B"]["spearman"] == pytest.approx(-1.0) and s["credit"]["B"]["auc"] == 0.0
     assert s["reliability"] == 1.0 and s["by_success"]["group success 0"]["M"]["turns"] == 2
+    # the paired difference, method minus baseline, in every resample: 1 - (-1) and 1 - 0
+    assert s["vs_method"]["B"]["spearman"] == pytest.approx(2.0) and s["vs_method"]["B"]["spearman_ci"] == pytest.approx([2, 2])
+    assert s["vs_method"]["B"]["auc"] == 1.0
     doc = tmp_path / "doc.md"
     doc.write_text("intro\n")
     data = {"seed": 4, "seconds": 60.0, "machine": "test", "results": {"graphgpo": res}}
@@ -182,7 +185,18 @@ def test_summary_and_report_between_the_markers(tmp_path):
     assert "| **M** (graphgpo) | 1.00 / 1.00 |" in text and "| B (graphgpo) | -1.00 / 0.00 |" in text
 
 
-def test_graphgpo_adapter_on_a_micro_policy(tiny_cache):
+@pytest.fixture
+def one_thread():
+    """One torch thread, as the benchmark runs (on a busy 2-core machine more threads make it many times slower)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_graphgpo_adapter_on_a_micro_policy(tiny_cache, one_thread):
     # GRPO's credit is the episode term alone: one value for every turn of an episode.
     # two turns and eight tokens at most: an untrained micro policy would otherwise play 15 long turns
     fast = ["--tiny-preset", "micro", "--max-turns", "2", "--max-new-tokens", "8"]
@@ -197,7 +211,7 @@ def test_graphgpo_adapter_on_a_micro_policy(tiny_cache):
     assert all(len(v) == 1 for v in by_traj.values())
 
 
-def test_aria_adapter_scores_each_seat_on_a_micro_policy(tiny_cache):
+def test_aria_adapter_scores_each_seat_on_a_micro_policy(tiny_cache, one_thread):
     res = cq.aria_batch(cq.Config(tasks=1, group=2, n=1, turns=4, seed=1),
                         argv=["--tiny-preset", "micro", "--max-new-tokens", "8"])
     assert res["labels"] == ["ARIA", "REINFORCE"] and res["turns_scored"] == 4
