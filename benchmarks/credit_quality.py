@@ -768,13 +768,15 @@ def report(data: dict) -> str:
     sizes, the reliability of A*, and the breakdowns by group size and by success context."""
     res = data["results"]
     envs_ = list(dict.fromkeys(r["env"] for r in res.values()))
-    total = sum(r["seconds"] for r in res.values())
-    lines = [f"Seed {data['seed']}; {total / 60:.1f} min in all, the sum of the per-method times below "
-             f"({data.get('machine', '')}). "
+    total = sum(r["seconds"] for k, r in res.items() if "@" not in k)
+    extra = sum(r["seconds"] for k, r in res.items() if "@" in k)
+    lines = [f"Seed {data['seed']}; the methods on their default envs took {total / 60:.1f} min, the sum of the "
+             f"per-method times below" + (f" (the other envs, `method@env`, {extra / 60:.1f} min more)" if extra else "")
+             + f"; {data.get('machine', '')}. "
              "Each cell: Spearman ρ of the credit with A* / AUC of the credit for A* > 0 vs A* < 0, over the "
              "scored turns; 95% intervals (bootstrap over episodes) in the tables below."
-             + "".join(f" Added later (seed {x['seed']}, {x['seconds'] / 60:.1f} min): {', '.join(x['results'])}."
-                       for x in data.get("appended", [])), "",
+             + "".join(f" Run later with --append (seed {x['seed']}, replacing any earlier result of the same "
+                       f"name): {', '.join(x['results'])}." for x in data.get("appended", [])), "",
              "| credit (method, then its baseline) | " + " | ".join(envs_) + " |",
              "|---|" + "---|" * len(envs_)]
     for m, r in res.items():
@@ -861,7 +863,8 @@ def main(argv=None) -> dict:
     from pathlib import Path
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--methods", nargs="+", default=list(ADAPTERS), choices=list(ADAPTERS))
+    p.add_argument("--methods", nargs="*", default=list(ADAPTERS), choices=list(ADAPTERS),
+                   help="methods on their default env (none: only the --extra ones)")
     p.add_argument("--seed", type=int, default=4, help="the reported run uses 4; sizes were tried with seed 1")
     p.add_argument("--out", default="docs/results/credit_quality.json", help="raw per-turn results and summary")
     p.add_argument("--n", type=int, default=None, help="continuations per Q and per V (default: per method)")
