@@ -779,14 +779,18 @@ def report(data: dict) -> str:
                        f"name): {', '.join(x['results'])}." for x in data.get("appended", [])), "",
              "| credit (method, then its baseline) | " + " | ".join(envs_) + " |",
              "|---|" + "---|" * len(envs_)]
-    for m, r in res.items():
-        s = r["summary"]
-        for k, lab in enumerate(r["labels"]):
-            st = s["credit"][lab]
-            cells = [f"{_num(st['spearman'])} / {_num(st['auc'])}" if e == r["env"] else "" for e in envs_]
-            name = f"**{lab}**" if k == 0 else lab
-            lines.append(f"| {name} ({m}) | " + " | ".join(cells) + " |")
-        cells = [f"reliability {_num(s['reliability'])}" if e == r["env"] else "" for e in envs_]
+    by_method = {}  # method -> {env: result}: one row per credit, one column per env
+    for key, r in res.items():
+        by_method.setdefault(r["method"], {})[r["env"]] = r
+    for m, per_env in by_method.items():
+        labels = next(iter(per_env.values()))["labels"]
+        for k, lab in enumerate(labels):
+            cells = []
+            for e in envs_:
+                st = per_env[e]["summary"]["credit"].get(lab) if e in per_env else None
+                cells.append(f"{_num(st['spearman'])} / {_num(st['auc'])}" if st else "")
+            lines.append(f"| {f'**{lab}**' if k == 0 else lab} ({m}) | " + " | ".join(cells) + " |")
+        cells = [f"reliability {_num(per_env[e]['summary']['reliability'])}" if e in per_env else "" for e in envs_]
         lines.append(f"| A* of {m}'s turns | " + " | ".join(cells) + " |")
     for m, r in res.items():
         s, c = r["summary"], r["config"]
