@@ -11,9 +11,15 @@ self-play partner move inside the game as in the rollout (the copies carry their
 a continuation is what the method's outcome measures (success 0/1 for a single-agent env; the learner
 seat's deal position for a two-player game). The standard error of A* is sqrt(var_Q / n + var_V / n).
 
-This file holds the Monte Carlo estimator and the statistics (Spearman correlation and AUC of a credit
-against A*, with bootstrap confidence intervals); `tests/test_credit_quality.py` checks the estimator
-on a two-turn game whose values are worked out by hand.
+This file holds the Monte Carlo estimator, the statistics (Spearman correlation and AUC of a credit
+against A*, with episode-bootstrap confidence intervals, and the reliability of A*), one adapter per
+method (`<method>_batch`: one batch of the script's own rollout, the method's and its baseline's credit
+per turn from the script's own functions, A* of a random subset of the turns) and the command:
+
+    python benchmarks/credit_quality.py --report     # all five methods, seed 4, tables into docs/credit_quality.md
+
+docs/credit_quality.md explains the measurements, the sizing and the results; `tests/test_credit_quality.py`
+checks the estimator on a two-turn game whose values are worked out by hand.
 """
 
 from __future__ import annotations
