@@ -11,9 +11,15 @@ self-play partner move inside the game as in the rollout (the copies carry their
 a continuation is what the method's outcome measures (success 0/1 for a single-agent env; the learner
 seat's deal position for a two-player game). The standard error of A* is sqrt(var_Q / n + var_V / n).
 
-This file holds the Monte Carlo estimator and the statistics (Spearman correlation and AUC of a credit
-against A*, with bootstrap confidence intervals); `tests/test_credit_quality.py` checks the estimator
-on a two-turn game whose values are worked out by hand.
+This file holds the Monte Carlo estimator, the statistics (Spearman correlation and AUC of a credit
+against A*, with episode-bootstrap confidence intervals, and the reliability of A*), one adapter per
+method (`<method>_batch`: one batch of the script's own rollout, the method's and its baseline's credit
+per turn from the script's own functions, A* of a random subset of the turns) and the command:
+
+    python benchmarks/credit_quality.py --report     # all five methods, seed 4, tables into docs/credit_quality.md
+
+docs/credit_quality.md explains the measurements, the sizing and the results; `tests/test_credit_quality.py`
+checks the estimator on a two-turn game whose values are worked out by hand.
 """
 
 from __future__ import annotations
@@ -27,20 +33,27 @@ import numpy as np
 
 # A batched policy: the envs whose turn it is -> one action text per env (it must not step them).
 Policy = Callable[[list], list]
+# A reward: (step, env after the step) -> the part of the return earned by that step; a continuation's
+# return is the sum over its steps.
+Reward = Callable[..., float]
 
 
-def final_return(step) -> float:
-    """The return of an episode from its last Step: 1.0 for a success, else 0.0."""
-    return float(bool(step.info.get("success")))
+def final_return(step, env=None) -> float:
+    """The return of an episode from its steps: 1.0 at the last step of a success, else 0.0."""
+    return float(bool(step.done and step.info.get("success")))
 
 
-def play_out(envs: list, policy: Policy, ret: Callable = final_return, first_actions: Optional[list] = None,
-             max_steps: int = 1000) -> np.ndarray:
+def play_out(envs: list, policy: Policy, ret=final_return, first_actions: Optional[list] = None,
+             max_steps: int = 1000, bar=None) -> np.ndarray:
     """Play every env to its end with `policy` (batched: one policy call per turn for all live envs) and
-    return each one's `ret(last step)`. `first_actions[i]`, when given, is env i's first move instead of
-    the policy's (None: the policy's). An env that is already over returns 0."""
+    return each one's return: the sum of `ret(step, env)` over the steps it plays (`ret` is one Reward or
+    one per env). `first_actions[i]`, when given, is env i's first move instead of the policy's (None: the
+    policy's). An env that is already over returns 0. `bar`: a tqdm bar advanced as envs finish."""
+    rets = list(ret) if isinstance(ret, (list, tuple)) else [ret] * len(envs)
     out = np.zeros(len(envs))
     live = [i for i, e in enumerate(envs) if not e.done]
+    if bar is not None:
+        bar.update(len(envs) - len(live))
     forced = {i: a for i, a in enumerate(first_actions or []) if a is not None}
     for _ in range(max_steps):
         if not live:
@@ -51,8 +64,10 @@ def play_out(envs: list, policy: Policy, ret: Callable = final_return, first_act
         still = []
         for i in live:
             step = envs[i].step(texts[i])
+            out[i] += rets[i](step, envs[i])
             if step.done:
-                out[i] = ret(step)
+                if bar is not None:
+                    bar.update(1)
             else:
                 still.append(i)
         live = still
@@ -70,12 +85,17 @@ class TrueAdvantage:
 
 
 def mc_advantages(states: Sequence, actions: Sequence[str], policy: Policy, n: int,
-                  ret: Callable = final_return, seed: int = 0) -> TrueAdvantage:
+                  ret=final_return, seed: int = 0, keys: Optional[Sequence] = None,
+                  desc: Optional[str] = None) -> TrueAdvantage:
     """A*(t) = Q(s_t, a_t) - V(s_t) for each (saved state, action) pair, from `n` continuations each.
 
-    states[t]: an env (or seated game) in state s_t, before a_t; it is cloned, never stepped. All
-    2 n len(states) continuations are played together, so the policy sees large batches. `seed` seeds
-    python's, numpy's and torch's global generators first (a sampling policy draws from them)."""
+    states[t]: an env (or seated game) in state s_t, before a_t; it is cloned, never stepped. `ret`: one
+    Reward, or one per state (a two-player game scores the continuation for the seat that acts in s_t).
+    `keys[t]`, when given, identifies s_t exactly (e.g. the task and the texts played so far): pairs with
+    the same key share one V estimate, and those with the same key and action one Q estimate (the same
+    numbers, computed once). All continuations are played together, so the policy sees large batches.
+    `seed` seeds python's, numpy's and torch's global generators first (a sampling policy draws from them).
+    `desc`: show a progress bar with this label."""
     random.seed(seed)
     np.random.seed(seed)
     try:
@@ -85,12 +105,31 @@ def mc_advantages(states: Sequence, actions: Sequence[str], policy: Policy, n: i
     except ImportError:  # a policy that needs no torch
         pass
     T = len(states)
-    q_envs = [s.clone() for s in states for _ in range(n)]
-    v_envs = [s.clone() for s in states for _ in range(n)]
-    firsts = [a for a in actions for _ in range(n)]
-    returns = play_out(q_envs + v_envs, policy, ret, first_actions=firsts + [None] * len(v_envs))
-    q = returns[: T * n].reshape(T, n)
-    v = returns[T * n:].reshape(T, n)
+    rets = list(ret) if isinstance(ret, (list, tuple)) else [ret] * T
+    keys = list(keys) if keys is not None else list(range(T))
+    v_of, q_of = {}, {}  # key -> index of the state whose V (Q) continuations stand for it
+    for t in range(T):
+        v_of.setdefault(keys[t], t)
+        q_of.setdefault((keys[t], actions[t]), t)
+    v_idx, q_idx = list(v_of.values()), list(q_of.values())
+    q_envs = [states[t].clone() for t in q_idx for _ in range(n)]
+    v_envs = [states[t].clone() for t in v_idx for _ in range(n)]
+    firsts = [actions[t] for t in q_idx for _ in range(n)]
+    env_rets = [rets[t] for t in q_idx for _ in range(n)] + [rets[t] for t in v_idx for _ in range(n)]
+    bar = None
+    if desc is not None:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(q_envs) + len(v_envs), desc=desc, unit="game", dynamic_ncols=True, leave=False)
+    returns = play_out(q_envs + v_envs, policy, env_rets, first_actions=firsts + [None] * len(v_envs), bar=bar)
+    if bar is not None:
+        bar.close()
+    q_rows = returns[: len(q_envs)].reshape(len(q_idx), n)
+    v_rows = returns[len(q_envs):].reshape(len(v_idx), n)
+    qpos = {k: i for i, k in enumerate(q_of)}
+    vpos = {k: i for i, k in enumerate(v_of)}
+    q = np.stack([q_rows[qpos[(keys[t], actions[t])]] for t in range(T)]) if T else np.zeros((0, n))
+    v = np.stack([v_rows[vpos[keys[t]]] for t in range(T)]) if T else np.zeros((0, n))
     ddof = 1 if n > 1 else 0
     se = np.sqrt(q.var(axis=1, ddof=ddof) / n + v.var(axis=1, ddof=ddof) / n)
     return TrueAdvantage(q.mean(1) - v.mean(1), se, q.mean(1), v.mean(1))
@@ -149,27 +188,27 @@ def bootstrap_ci(stat: Callable, credit, a_star, clusters, reps: int = 1000, see
 # ----------------------------------------------------------------------------------------------
 # Policies and saved states from a script's rollout
 # ----------------------------------------------------------------------------------------------
-def model_policy(script, model, tok, temperature: float, max_new_tokens: int) -> Policy:
-    """The script's own sampling (its `render_prompt`, `encode`, `generate`) as a batched Policy; a
-    seated two-player game is prompted from the seat whose turn it is."""
+def model_policy(script, model, tok, temperature: float, max_new_tokens: int, chunk: int = 256) -> Policy:
+    """The script's own sampling (its `render_prompt`, `encode`, `generate` and `completion_text`: a
+    completion cut at the token limit is played as "", as in its rollout) as a batched Policy; a seated
+    two-player game is prompted from the seat whose turn it is."""
     def act(envs: list) -> list:
         msgs = [e.observe(e.current_player) if hasattr(e, "observe") else e.messages() for e in envs]
         ids = [script.encode(tok, script.render_prompt(tok, m)) for m in msgs]
         out = []
-        for k in range(0, len(ids), 256):
-            comps = script.generate(model, tok, ids[k:k + 256], temperature, max_new_tokens)
-            out += [tok.decode(c, skip_special_tokens=True) for c in comps]
+        for k in range(0, len(ids), chunk):
+            comps = script.generate(model, tok, ids[k:k + chunk], temperature, max_new_tokens)
+            out += [script.completion_text(tok, c) for c in comps]
         return out
     return act
 
 
-def replayed_states(new_env, task_id: str, actions: Sequence[str]) -> list:
-    """s_0 .. s_{T-1} of an episode, rebuilt by replaying its actions on a fresh env (the envs are
-    deterministic given the texts played): states[t] is the env before actions[t]."""
-    env = new_env()
-    env.reset(task_id)
+def replayed_states(env, texts: Sequence[str]) -> list:
+    """s_0 .. s_{T-1} of an episode, rebuilt by playing the texts the env read (`completion_text` of the
+    completions) on `env`, freshly reset to the episode's task (the envs are deterministic given the texts
+    played): states[t] is a copy of the env before texts[t]."""
     states = []
-    for a in actions:
+    for a in texts:
         states.append(env.clone())
         env.step(a)
     return states
@@ -189,41 +228,717 @@ def _import_script(name: str):
     return importlib.import_module(name)
 
 
-def graphgpo_batch(env_id: str, tasks: int, group: int, n: int, seed: int, argv: Sequence[str] = ()) -> dict:
+@dataclass
+class Config:
+    """The sizes of one method's measurement (defaults: `DEFAULTS`)."""
+
+    tasks: int = 4  # groups (tasks) of the batch; ARIA/EPO: games = tasks * group
+    group: int = 8  # episodes per task
+    n: int = 16  # continuations for Q and for V of each scored turn
+    turns: int = 120  # turns of the batch whose A* is estimated (a random subset; 0: all)
+    seed: int = 1
+
+
+def _regroup(group_ids: Sequence[int], size: int) -> list:
+    """Group ids after splitting every group into consecutive subgroups of `size` episodes (the group
+    size the credit would have seen)."""
+    seen, out = {}, []
+    for g in group_ids:
+        k = seen.get(g, 0)
+        seen[g] = k + 1
+        out.append((int(g), k // size))
+    ids = {x: i for i, x in enumerate(dict.fromkeys(out))}
+    return [ids[x] for x in out]
+
+
+def _finish(method: str, env_id: str, labels: tuple, rows: list, states: list, texts: list, keys: list,
+            rets: list, policy: Policy, cfg: Config, extra: dict) -> dict:
+    """Estimate A* on a random subset of `cfg.turns` of the batch's turns and collect the result: one row
+    per scored turn (traj, group, turn, each credit, a_star, se, q, v, and the adapter's context keys)."""
+    import time
+
+    rng = np.random.default_rng(cfg.seed + 1000)
+    pick = np.arange(len(rows))
+    if cfg.turns and cfg.turns < len(rows):
+        pick = np.sort(rng.choice(len(rows), size=cfg.turns, replace=False))
+    t0 = time.time()
+    true = mc_advantages([states[i] for i in pick], [texts[i] for i in pick], policy, cfg.n,
+                         [rets[i] for i in pick], seed=cfg.seed, keys=[keys[i] for i in pick],
+                         desc=f"{method} A* ({len(pick)} turns x 2 x {cfg.n})")
+    out_rows = []
+    for j, i in enumerate(pick):
+        r = dict(rows[i])
+        r.update(a_star=float(true.a_star[j]), se=float(true.se[j]), q=float(true.q[j]), v=float(true.v[j]))
+        out_rows.append(r)
+    return dict(method=method, env=env_id, labels=list(labels), config=vars(cfg).copy(),
+                turns_in_batch=len(rows), turns_scored=len(pick), mc_seconds=time.time() - t0,
+                rows=out_rows, **extra)
+
+
+def _check_replay(env, observations: Sequence[str], traj_id) -> None:
+    """The replayed single-agent episode must have ended with the observations the rollout saw."""
+    if not env.done or [o for _, o in env.trajectory] != list(observations):
+        raise RuntimeError(f"replaying episode {traj_id} did not reproduce its observations")
+
+
+def _prefix_keys(task_id, texts: Sequence[str], tag=()) -> list:
+    """keys[t] = (tag, task, texts[:t]): the state before turn t, exactly (the envs are deterministic)."""
+    return [(tag, str(task_id), tuple(texts[:t])) for t in range(len(texts))]
+
+
+def graphgpo_batch(cfg: Config, env_id: str = "sokoban", argv: Sequence[str] = ()) -> dict:
     """GraphGPO, GiGPO and GRPO credit (graphgpo.py's `compute_advantages` with each --step-advantage) on
-    one batch of `tasks` train tasks x `group` episodes of the shipped tiny policy, and A* of every turn."""
+    one batch of `tasks` train tasks x `group` episodes of the shipped tiny policy, and A* of its turns.
+    The return is the one GRPO's outcome measures: r_succ on success minus invalid_penalty per invalid
+    action."""
+    import dataclasses
+
     import torch
     import tyro
 
     gg = _import_script("graphgpo")
     from common.models import load_policy
 
-    args = tyro.cli(gg.Args, args=["--env-id", env_id, "--seed", str(seed), *argv])
+    args = tyro.cli(gg.Args, args=["--env-id", env_id, "--seed", str(cfg.seed), "--group-size", str(cfg.group),
+                                   "--tasks-per-iteration", str(cfg.tasks), *argv])
     omega = gg.check_args(args)
-    rng = gg.seed_everything(seed)
+    rng = gg.seed_everything(cfg.seed)
     new_env, probe, defaults, _ = gg.make_env(args)
     max_new = args.max_new_tokens or defaults.max_new_tokens
     model, tok = load_policy(args.model_name, env_id=env_id, tiny_preset=args.tiny_preset, load_in_4bit=False)
     train = list(probe.task_ids("train"))
-    chosen = rng.choice(len(train), size=tasks, replace=False)
-    task_ids = [train[i] for i in chosen for _ in range(group)]
-    episodes = gg.rollout(model, tok, new_env, task_ids, [g for g in range(tasks) for _ in range(group)],
-                          args.temperature, max_new)
-    credit = {}
-    for mode, label in (("graph", "GraphGPO"), ("gigpo", "GiGPO"), ("none", "GRPO")):
-        args.step_advantage = mode
-        samples, _ = gg.compute_advantages(episodes, args, omega)
-        credit[label] = {(s["traj"], s["turn"]): s["adv"] for s in samples}
-    states, actions, keys = [], [], []
+    chosen = rng.choice(len(train), size=cfg.tasks, replace=False)
+    G = cfg.group
+    episodes = gg.rollout(model, tok, new_env, [train[i] for i in chosen for _ in range(G)],
+                          [g for g in range(cfg.tasks) for _ in range(G)], args.temperature, max_new)
+
+    def credit_of(eps):
+        out = {}
+        for mode, label in (("graph", "GraphGPO"), ("gigpo", "GiGPO"), ("none", "GRPO")):
+            args.step_advantage = mode
+            samples, _ = gg.compute_advantages(eps, args, omega)
+            out[label] = {(x["traj"], x["turn"]): x["adv"] for x in samples}
+        return out
+
+    by_size = {}
+    for size in _group_sizes(G):
+        regroup = _regroup([ep.group_id for ep in episodes], size)
+        by_size[size] = credit_of([dataclasses.replace(ep, group_id=g) for ep, g in zip(episodes, regroup)])
+    gsucc = {g: float(np.mean([e.success for e in episodes if e.group_id == g])) for g in range(cfg.tasks)}
+    rows, states, texts, keys, rets = [], [], [], [], []
+    reward = _sokoban_reward(success=args.r_succ, invalid=args.invalid_penalty, shaped=False)
     for ep in episodes:
-        states += replayed_states(new_env, ep.task_id, ep.actions)
-        actions += ep.actions
-        keys += [(ep.traj_id, t) for t in range(ep.length)]
+        played = [gg.completion_text(tok, c) for c in ep.completions]
+        env = new_env()
+        env.reset(ep.task_id)
+        states += replayed_states(env, played)
+        _check_replay(env, ep.observations, ep.traj_id)
+        texts += played
+        keys += _prefix_keys(ep.task_id, played)
+        rets += [reward] * ep.length
+        for t in range(ep.length):
+            rows.append(dict(traj=ep.traj_id, group=ep.group_id, turn=t, group_success=gsucc[ep.group_id],
+                             credit={lab: float(c[(ep.traj_id, t)]) for lab, c in by_size[G].items()},
+                             credit_by_group_size={str(s): {lab: float(c[(ep.traj_id, t)]) for lab, c in cs.items()}
+                                                   for s, cs in by_size.items() if s != G}))
     with torch.no_grad():
-        true = mc_advantages(states, actions, model_policy(gg, model, tok, args.temperature, max_new), n,
-                             seed=seed)
-    return dict(method="graphgpo", env=env_id, episodes=len(episodes), success=float(np.mean([e.success for e in episodes])),
-                keys=keys, group_of={ep.traj_id: ep.group_id for ep in episodes},
-                group_success={g: float(np.mean([e.success for e in episodes if e.group_id == g])) for g in range(tasks)},
-                a_star=true.a_star, se=true.se, credit={k: np.array([v[key] for key in keys]) for k, v in credit.items()},
-                method_label="GraphGPO", baseline_labels=("GRPO", "GiGPO"))
+        return _finish("graphgpo", env_id, ("GraphGPO", "GRPO", "GiGPO"), rows, states, texts, keys, rets,
+                       model_policy(gg, model, tok, args.temperature, max_new), cfg,
+                       dict(episodes=len(episodes), success=float(np.mean([e.success for e in episodes])),
+                            return_measured=f"{args.r_succ:g} x success - {args.invalid_penalty:g} x invalid actions"))
+
+
+def _group_sizes(G: int) -> list:
+    return [s for s in (2, 4, 8, 16) if s < G and G % s == 0] + [G]
+
+
+def _sokoban_reward(success: float, invalid: float, shaped: bool) -> Reward:
+    def reward(step, env=None) -> float:
+        r = float(step.reward) if shaped else success * float(bool(step.done and step.info.get("success")))
+        return r - invalid * float(bool(step.info.get("invalid")))
+    return reward
+
+
+def istar_batch(cfg: Config, env_id: str = "sokoban", argv: Sequence[str] = (), warm_batches: int = 4) -> dict:
+    """iStar's advantage (istar.py: `training_samples`, `prm_update`, `compute_advantages`) and RLOO's
+    (`--alpha 0`: the same outcome term, no step term) on one batch, and A* of its turns.
+
+    iStar credits a batch with the PRM's step rewards scored before the PRM trains on that batch's pairs.
+    A fresh PRM equals the policy (its LoRA starts at zero), so at iteration 1 every step reward is 0 and
+    iStar's credit is RLOO's; the PRM here first takes the script's PRM step (`prm_update`) on
+    `warm_batches` earlier batches of the same (frozen) policy, as in iterations 1..warm_batches of a run
+    whose policy had not moved, and then scores this batch ("iStar"). "iStar (in-sample PRM)" scores it
+    again after the PRM step on this batch's own pairs. The return is the script's outcome: the env
+    return (shaped Sokoban reward by default) minus invalid_penalty per invalid action."""
+    import dataclasses
+
+    import torch
+    import tyro
+
+    ist = _import_script("istar")
+    from common.models import add_adapter, load_policy
+
+    args = tyro.cli(ist.Args, args=["--env-id", env_id, "--seed", str(cfg.seed), "--group-size", str(cfg.group),
+                                    "--tasks-per-iteration", str(cfg.tasks), *argv])
+    ist.check_args(args)
+    rng = ist.seed_everything(cfg.seed)
+    new_env, probe, defaults, _ = ist.make_env(args)
+    lr = args.learning_rate if args.learning_rate is not None else defaults.learning_rate
+    prm_lr = args.prm_learning_rate if args.prm_learning_rate is not None else 2 * lr
+    max_new = args.max_new_tokens or defaults.max_new_tokens
+    threshold = args.positive_threshold
+    if threshold is None and env_id == "negotiation":
+        threshold = 6.0
+    model, tok = load_policy(args.model_name, env_id=env_id, tiny_preset=args.tiny_preset, load_in_4bit=False,
+                             lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout)
+    add_adapter(model, "prm", lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout)
+    model.set_adapter("default")
+    prm_optimizer = torch.optim.AdamW(ist.adapter_params(model, "prm"), lr=prm_lr, weight_decay=args.weight_decay)
+    train = list(probe.task_ids("train"))
+    G = cfg.group
+
+    def batch():
+        chosen = rng.choice(len(train), size=cfg.tasks, replace=len(train) < cfg.tasks)
+        eps = ist.rollout(model, tok, new_env, [train[i] for i in chosen for _ in range(G)],
+                          [g for g in range(cfg.tasks) for _ in range(G)], args.temperature, max_new)
+        samples = ist.training_samples(model, tok, eps, args)
+        return eps, samples
+
+    for _ in range(warm_batches):
+        eps, samples = batch()
+        _, succ, grp = ist.trajectory_outcomes(eps, args.invalid_penalty, threshold)
+        ist.prm_update(model, tok, prm_optimizer, samples, succ, grp, args)
+    episodes, samples = batch()
+    outcomes, succ, grp = ist.trajectory_outcomes(episodes, args.invalid_penalty, threshold)
+    tok_r, step_r, pstats, _ = ist.prm_update(model, tok, prm_optimizer, samples, succ, grp, args)
+    tok_r_in, step_r_in = ist.prm_step_rewards(model, tok, samples, args)
+    model.set_adapter("default")
+
+    def credit_of(group_ids):
+        g = torch.as_tensor(group_ids)
+        out = {}
+        for label, alpha, sr, tr in (("iStar", args.alpha, step_r, tok_r), ("RLOO", 0.0, torch.zeros(len(samples)), None),
+                                     ("iStar (in-sample PRM)", args.alpha, step_r_in, tok_r_in)):
+            a = dataclasses.replace(args, alpha=alpha)
+            xs = [dict(x) for x in samples]
+            ist.compute_advantages(xs, outcomes, g, sr, tr, a)
+            out[label] = {(x["traj"], x["turn"]): float(x["adv"].float().mean()) if len(x["adv"]) else 0.0 for x in xs}
+        return out
+
+    by_size = {s: credit_of(_regroup(grp.tolist(), s)) for s in _group_sizes(G)}
+    gsucc = {g: float(np.mean([e.success for e in episodes if e.group_id == g])) for g in range(cfg.tasks)}
+    reward = _sokoban_reward(success=1.0, invalid=args.invalid_penalty, shaped=True)
+    rows, states, texts, keys, rets = [], [], [], [], []
+    for ep in episodes:
+        played = [ist.completion_text(tok, c) for c in ep.completions]
+        env = new_env()
+        env.reset(ep.task_id)
+        states += replayed_states(env, played)
+        _check_replay(env, ep.observations, ep.traj_id)
+        texts += played
+        keys += _prefix_keys(ep.task_id, played)
+        rets += [reward] * ep.length
+        for t in range(ep.length):
+            rows.append(dict(traj=ep.traj_id, group=ep.group_id, turn=t, group_success=gsucc[ep.group_id],
+                             credit={lab: c[(ep.traj_id, t)] for lab, c in by_size[G].items()},
+                             credit_by_group_size={str(s): {lab: c[(ep.traj_id, t)] for lab, c in cs.items()}
+                                                   for s, cs in by_size.items() if s != G}))
+    with torch.no_grad():
+        return _finish("istar", env_id, ("iStar", "RLOO", "iStar (in-sample PRM)"), rows, states, texts, keys, rets,
+                       model_policy(ist, model, tok, args.temperature, max_new), cfg,
+                       dict(episodes=len(episodes), success=float(np.mean([e.success for e in episodes])),
+                            prm_warm_batches=warm_batches, prm_heldout_pair_acc=pstats["heldout_pair_acc"],
+                            prm_pairs=pstats["pairs"],
+                            return_measured=(f"env return ({args.sokoban_reward} reward)" if env_id == "sokoban" else "env return")
+                            + f" - {args.invalid_penalty:g} x invalid actions"))
+
+
+def delta_belief_batch(cfg: Config, env_id: str = "twenty_questions", argv: Sequence[str] = ()) -> dict:
+    """ΔBelief's turn advantages (delta_belief.py's `rollout` with the policy's own beliefs and
+    `compute_advantages`, --reward-mode delta) and StarPO's (--reward-mode starpo: the trajectory
+    advantage on every turn) on one batch, and A* of its turns. The return is the task's (StarPO's):
+    win_reward on a win, minus turn_penalty per turn, invalid_penalty per invalid and repeat_penalty per
+    repeated question."""
+    import dataclasses
+
+    import torch
+    import tyro
+
+    db = _import_script("delta_belief")
+    from common.models import load_policy
+
+    args = tyro.cli(db.Args, args=["--env-id", env_id, "--seed", str(cfg.seed), "--group-size", str(cfg.group),
+                                   "--tasks-per-iteration", str(cfg.tasks), *argv])
+    db.check_args(args)
+    rng = db.seed_everything(cfg.seed)
+    new_env, probe, defaults, _ = db.make_env(args)
+    belief_message = db.belief_message_for(args.belief_template, probe, defaults.is_tiny)
+    if args.max_new_tokens is None:
+        args.max_new_tokens = defaults.max_new_tokens
+    if args.temperature is None:
+        args.temperature = defaults.temperature
+    model, tok = load_policy(args.model_name, env_id=env_id, tiny_preset=args.tiny_preset, load_in_4bit=False,
+                             lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout)
+    train = list(probe.task_ids("train"))
+    G = cfg.group
+    chosen = rng.choice(len(train), size=cfg.tasks, replace=len(train) < cfg.tasks)
+    episodes = db.rollout(model, tok, new_env, [train[i] for i in chosen for _ in range(G)],
+                          [g for g in range(cfg.tasks) for _ in range(G)], args, args.temperature, belief_message,
+                          with_beliefs=True)
+
+    def credit_of(eps):
+        out = {}
+        for mode, label in (("delta", "ΔBelief"), ("starpo", "StarPO")):
+            samples, _ = db.compute_advantages(eps, dataclasses.replace(args, reward_mode=mode))
+            out[label] = {(x["traj"], x["turn"]): float(x["adv"]) for x in samples}
+        return out
+
+    by_size = {}
+    for size in _group_sizes(G):
+        regroup = _regroup([ep.group_id for ep in episodes], size)
+        by_size[size] = credit_of([dataclasses.replace(ep, group_id=g) for ep, g in zip(episodes, regroup)])
+    gsucc = {g: float(np.mean([e.success for e in episodes if e.group_id == g])) for g in range(cfg.tasks)}
+
+    def reward(step, env=None) -> float:
+        info = step.info
+        return (args.win_reward * float(bool(step.done and info.get("success"))) - args.turn_penalty
+                - args.invalid_penalty * float(bool(info.get("invalid")))
+                - args.repeat_penalty * float(bool(info.get("repeated"))))
+
+    rows, states, texts, keys, rets = [], [], [], [], []
+    for ep in episodes:
+        played = [db.completion_text(tok, c) for c in ep.completions]
+        env = new_env()
+        env.reset(ep.task_id)
+        states += replayed_states(env, played)
+        _check_replay(env, ep.observations, ep.traj_id)
+        texts += played
+        keys += _prefix_keys(ep.task_id, played)
+        rets += [reward] * ep.length
+        for t in range(ep.length):
+            rows.append(dict(traj=ep.traj_id, group=ep.group_id, turn=t, group_success=gsucc[ep.group_id],
+                             credit={lab: c[(ep.traj_id, t)] for lab, c in by_size[G].items()},
+                             credit_by_group_size={str(s): {lab: c[(ep.traj_id, t)] for lab, c in cs.items()}
+                                                   for s, cs in by_size.items() if s != G}))
+    with torch.no_grad():
+        return _finish("delta_belief", env_id, ("ΔBelief", "StarPO"), rows, states, texts, keys, rets,
+                       model_policy(db, model, tok, args.temperature, args.max_new_tokens), cfg,
+                       dict(episodes=len(episodes), success=float(np.mean([e.success for e in episodes])),
+                            return_measured=(f"{args.win_reward:g} x win - {args.turn_penalty:g} x turns - "
+                                             f"{args.invalid_penalty:g} x invalid - {args.repeat_penalty:g} x repeated")))
+
+
+def aria_batch(cfg: Config, env_id: str = "bargaining", argv: Sequence[str] = ()) -> dict:
+    """ARIA's aggregated rewards (aria.py's `rollout` in self-play and `compute_advantages`: embed,
+    cluster, aggregate) and REINFORCE's raw discounted returns (--no-aggregate) on one batch of
+    tasks x group self-play games, and A* of its steps. A step's return is its own seat's outcome (the
+    normalised payoff, `--game-reward payoff`), with the policy in the other seat as in the rollout."""
+    import torch
+    import tyro
+
+    ar = _import_script("aria")
+    from common.models import load_policy
+
+    games = cfg.tasks * cfg.group
+    args = tyro.cli(ar.Args, args=["--env-id", env_id, "--seed", str(cfg.seed), "--games-per-iteration", str(games),
+                                   *argv])
+    rng = ar.seed_everything(cfg.seed)
+    new_env, probe, defaults, _ = ar.make_env(args)
+    if args.observation_labels == "auto":
+        args.observation_labels = "exact" if env_id == "twenty_questions" else "cluster"
+    if args.max_new_tokens is None:
+        args.max_new_tokens = defaults.max_new_tokens
+    embedder = ar.Embedder(args.embedder, dim=args.embed_dim)
+    model, tok = load_policy(args.model_name, env_id=env_id, tiny_preset=args.tiny_preset, load_in_4bit=False,
+                             lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout)
+    embedder.model, embedder.tok = model, tok
+    train = list(probe.task_ids("train"))
+    tasks = [train[i] for i in rng.choice(len(train), size=games, replace=len(train) < games)]
+    episodes = ar.rollout(model, tok, new_env, tasks, args, args.temperature)
+    samples, cstats = ar.compute_advantages(episodes, embedder, args)
+    if not args.aggregate:
+        raise ValueError("aria_batch compares ARIA's aggregated rewards with the raw returns: leave --aggregate on")
+    by_step = {(x["traj"], x["turn"]): x for x in samples}
+
+    import envs
+
+    two_player = env_id in envs.TWO_PLAYER
+
+    def outcome_of(player):
+        if not two_player:
+            return final_return  # a single-agent env: R = 1 if solved (aria.py's rollout)
+
+        def reward(step, env) -> float:
+            return float(min(1.0, max(0.0, env.progress(player)))) if step.done else 0.0
+        return reward
+
+    rows, states, texts, keys, rets = [], [], [], [], []
+    for ep in episodes:
+        played = [ar.completion_text(tok, s["completion"]) for s in ep.steps]
+        game = new_env().reset(ep.task_id)
+        states += replayed_states(game, played)
+        if two_player and abs(float(np.mean(list(game.env.payoffs().values()))) - ep.env_return) > 1e-9:
+            raise RuntimeError(f"replaying game {ep.traj_id} did not reproduce its payoffs")
+        if not two_player:
+            _check_replay(game.env, ep.utterances[1::2], ep.traj_id)
+        texts += played
+        keys += _prefix_keys(ep.task_id, played)
+        for t, s in enumerate(ep.steps):
+            rets.append(outcome_of(s["player"]))
+            x = by_step[(ep.traj_id, t)]
+            rows.append(dict(traj=ep.traj_id, group=ep.traj_id, turn=t, player=s["player"],
+                             outcome=float(ep.outcome.get(s["player"], 0.0)), deal=bool(ep.success),
+                             bucket=("deal" if ep.success else "no deal") if two_player else
+                             ("solved" if ep.success else "not solved"),
+                             credit={"ARIA": x["weight"], "REINFORCE": x["raw"]}))
+    with torch.no_grad():
+        return _finish("aria", env_id, ("ARIA", "REINFORCE"), rows, states, texts, keys, rets,
+                       model_policy(ar, model, tok, args.temperature, args.max_new_tokens), cfg,
+                       dict(episodes=len(episodes), success=float(np.mean([e.success for e in episodes])),
+                            selected_k=cstats["credit/selected_k"],
+                            return_measured=("the acting seat's normalised payoff (deal position in [0, 1]), self-play"
+                                             if two_player else "1 if solved, else 0")))
+
+
+def epo_batch(cfg: Config, env_id: str = "negotiation", argv: Sequence[str] = ()) -> dict:
+    """EPO's turn weights (epo.py's `training_games` with its default `--train-opponent rule:any`,
+    `rollout` and `compute_advantages` with the rule PRM's critical turns) and the outcome-only weights
+    (--prm none) on one batch of tasks x group games, and A* of the strategist's turns. A turn's action is
+    the move the rule agent makes from the strategist's strategy; the continuation samples the strategist
+    (its own prompt, as in the rollout), lets the rule agent move and the scripted style reply. The
+    return is the strategist's seat's goal score / 10 (the outcome in EPO's weights)."""
+    import dataclasses
+
+    import torch
+    import tyro
+
+    ep_mod = _import_script("epo")
+    from common.models import load_policy
+
+    games_n = cfg.tasks * cfg.group
+    args = tyro.cli(ep_mod.Args, args=["--env-id", env_id, "--seed", str(cfg.seed),
+                                       "--episodes-per-iteration", str(games_n), *argv])
+    ep_mod.check_args(args)
+    rng = ep_mod.seed_everything(cfg.seed)
+    new_env, probe, defaults, _ = ep_mod.make_env(args)
+    import envs
+
+    two_player = env_id in envs.TWO_PLAYER
+    if not (two_player and defaults.is_tiny and args.agent == "rule"):
+        raise ValueError("epo_batch measures the tiny strategist with the rule agent in a two-player game")
+    if args.max_new_tokens is None:
+        args.max_new_tokens = defaults.max_new_tokens
+    players, styles = list(probe.players), list(probe.opponent_styles())
+    model, tok = load_policy(args.model_name, env_id=env_id, tiny_preset=args.tiny_preset, load_in_4bit=False,
+                             lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                             tiny_overrides=ep_mod.tiny_overrides(env_id) if args.model_name == "tiny" else None)
+    train = list(probe.task_ids("train"))
+    pick = rng.choice(len(train), size=games_n, replace=len(train) < games_n)
+    games = ep_mod.training_games(new_env, [train[int(i)] for i in pick], players, styles, args, rng)
+    episodes = ep_mod.rollout(model, tok, games, args, args.temperature)
+    credit = {}
+    for prm, label in (("rule", "EPO"), ("none", "outcome-only")):
+        eps = [dataclasses.replace(e) for e in episodes]
+        ep_mod.compute_advantages(eps, dataclasses.replace(args, prm=prm))
+        credit[label] = {(e.traj_id, t): float(w) for e in eps for t, w in enumerate(e.weights)}
+
+    def strategist(games_: list) -> list:
+        who = [g.current_player for g in games_]
+        prompts = [ep_mod.encode(tok, ep_mod.render_prompt(tok, ep_mod.strategist_messages(g, p, [], False)))
+                   for g, p in zip(games_, who)]
+        out = []
+        for k in range(0, len(prompts), 256):
+            comps = ep_mod.generate(model, tok, prompts[k:k + 256], args.temperature, args.max_new_tokens)
+            out += [ep_mod.strategy_of(ep_mod.completion_text(tok, c)) for c in comps]
+        return [g.env.rule_agent_action(p, s) for g, p, s in zip(games_, who, out)]
+
+    def score_of(player):
+        def reward(step, env) -> float:
+            return float(env.env.scores()[player]) / 10.0 if step.done else 0.0
+        return reward
+
+    rows, states, texts, keys, rets = [], [], [], [], []
+    for e in episodes:
+        other = [p for p in players if p != e.player][0]
+        seats = {e.player: "policy", other: e.opponent}
+        game = new_env(e.task_id, seats)
+        states += replayed_states(game, e.moves)
+        if abs(game.env.scores()[e.player] / 10.0 - e.outcome) > 1e-9:
+            raise RuntimeError(f"replaying game {e.traj_id} did not reproduce its outcome")
+        texts += list(e.moves)
+        keys += _prefix_keys(e.task_id, e.moves, tag=(e.player, e.opponent))
+        rets += [score_of(e.player)] * e.length
+        for t in range(e.length):
+            rows.append(dict(traj=e.traj_id, group=e.traj_id, turn=t, opponent=e.opponent, outcome=e.outcome,
+                             critical=bool(e.critical[t]) if t < len(e.critical) else False,
+                             credit={lab: c[(e.traj_id, t)] for lab, c in credit.items()}))
+    with torch.no_grad():
+        return _finish("epo", env_id, ("EPO", "outcome-only"), rows, states, texts, keys, rets, strategist, cfg,
+                       dict(episodes=len(episodes), goal_score=float(np.mean([e.score for e in episodes])),
+                            return_measured="the strategist's goal score / 10, against the game's scripted style"))
+
+
+# ----------------------------------------------------------------------------------------------
+# Summary, report, command line
+# ----------------------------------------------------------------------------------------------
+ADAPTERS = {"graphgpo": graphgpo_batch, "istar": istar_batch, "delta_belief": delta_belief_batch,
+            "aria": aria_batch, "epo": epo_batch}
+# The default run (`python benchmarks/credit_quality.py`): per method, the batch (tasks x group, the
+# scripts' own batch sizes where the CPU allows) and the Monte Carlo sizes, chosen so that the whole run
+# takes at most 20 minutes on 2 CPU cores with one torch thread (docs/credit_quality.md, "Sizing").
+DEFAULTS = {
+    "graphgpo": Config(tasks=4, group=8, n=32, turns=80),
+    "istar": Config(tasks=4, group=8, n=32, turns=80),
+    "delta_belief": Config(tasks=4, group=8, n=16, turns=50),
+    "aria": Config(tasks=8, group=8, n=32, turns=80),
+    "epo": Config(tasks=8, group=8, n=32, turns=80),
+}
+REPORT_BEGIN, REPORT_END = "<!-- credit-quality:begin -->", "<!-- credit-quality:end -->"
+
+
+def _bucket(method: str, row: dict) -> str:
+    """The success context of a turn: its group's success rate (groups of one task), or for the
+    two-player games its own game's result."""
+    if "bucket" in row:
+        return row["bucket"]
+    if method == "aria":
+        return "deal" if row["deal"] else "no deal"
+    if method == "epo":
+        return "score >= 5" if row["outcome"] >= 0.5 else "score < 5"
+    s = row["group_success"]
+    return "group success 0" if s == 0 else ("group success 1" if s == 1 else "0 < group success < 1")
+
+
+def _stats(credit, a_star, clusters, reps: int, seed: int) -> dict:
+    out = {"turns": int(len(a_star))}
+    for name, fn in (("spearman", spearman), ("auc", auc)):
+        v, lo, hi = bootstrap_ci(fn, credit, a_star, clusters, reps=reps, seed=seed)
+        out[name], out[name + "_ci"] = v, [lo, hi]
+    return out
+
+
+def summarize(result: dict, reps: int = 1000) -> dict:
+    """Agreement of every credit with A* (Spearman, AUC with episode-cluster bootstrap intervals), the
+    reliability of A*, and the same by group size and by success context."""
+    rows, seed = result["rows"], result["config"]["seed"]
+    a = np.array([r["a_star"] for r in rows])
+    se = np.array([r["se"] for r in rows])
+    traj = np.array([r["traj"] for r in rows])
+    out = {"reliability": reliability(a, se), "mean_se": float(se.mean()), "sd_a_star": float(a.std(ddof=1)),
+           "a_star_zero_frac": float(np.mean(a == 0)), "a_star_pos_frac": float(np.mean(a > 0)),
+           "a_star_neg_frac": float(np.mean(a < 0)), "credit": {}, "by_group_size": {}, "by_success": {}}
+    for lab in result["labels"]:
+        c = np.array([r["credit"][lab] for r in rows])
+        out["credit"][lab] = _stats(c, a, traj, reps, seed)
+    main = np.array([r["credit"][result["labels"][0]] for r in rows])
+    out["vs_method"] = {}
+    for lab in result["labels"][1:]:  # the method minus each baseline, on the same resampled episodes
+        pair = np.stack([main, [r["credit"][lab] for r in rows]], axis=1)
+        out["vs_method"][lab] = {}
+        for name, fn in (("spearman", spearman), ("auc", auc)):
+            v, lo, hi = bootstrap_ci(lambda c, a_, fn=fn: fn(c[:, 0], a_) - fn(c[:, 1], a_), pair, a, traj, reps, seed)
+            out["vs_method"][lab][name], out["vs_method"][lab][name + "_ci"] = v, [lo, hi]
+    sizes = sorted({s for r in rows for s in r.get("credit_by_group_size", {})}, key=int)
+    for s in sizes:
+        out["by_group_size"][s] = {lab: _stats(np.array([r["credit_by_group_size"][s][lab] for r in rows]), a, traj,
+                                               reps // 5, seed) for lab in result["labels"]}
+    if sizes:
+        out["by_group_size"][str(result["config"]["group"])] = {
+            lab: {k: v for k, v in out["credit"][lab].items()} for lab in result["labels"]}
+    buckets = np.array([_bucket(result["method"], r) for r in rows])
+    for b in sorted(set(buckets)):
+        m = buckets == b
+        out["by_success"][b] = {lab: _stats(np.array([r["credit"][lab] for r, k in zip(rows, m) if k]), a[m],
+                                            traj[m], reps // 5, seed) for lab in result["labels"]}
+        out["by_success"][b]["_reliability"] = reliability(a[m], se[m])
+    return out
+
+
+def _fmt(v, ci=None) -> str:
+    if v is None or not math.isfinite(v):
+        return "n/a"
+    s = f"{v:+.2f}" if ci is None else f"{v:+.2f} [{ci[0]:+.2f}, {ci[1]:+.2f}]"
+    return s.replace("+0.", "0.").replace("[0.", "[0.") if v >= 0 else s
+
+
+def _num(v, ci=None) -> str:
+    if v is None or not (isinstance(v, (int, float)) and math.isfinite(v)):
+        return "n/a"
+    if ci is None or not all(math.isfinite(x) for x in ci):
+        return f"{v:.2f}"
+    return f"{v:.2f} [{ci[0]:.2f}, {ci[1]:.2f}]"
+
+
+def report(data: dict) -> str:
+    """The markdown of the results: the main table (rows: credits, columns: envs), then per method its
+    sizes, the reliability of A*, and the breakdowns by group size and by success context."""
+    res = data["results"]
+    envs_ = list(dict.fromkeys(r["env"] for r in res.values()))
+    total = sum(r["seconds"] for k, r in res.items() if "@" not in k)
+    extra = sum(r["seconds"] for k, r in res.items() if "@" in k)
+    lines = [f"Seed {data['seed']}; the methods on their default envs took {total / 60:.1f} min, the sum of the "
+             f"per-method times below" + (f" (the other envs, `method@env`, {extra / 60:.1f} min more)" if extra else "")
+             + f"; {data.get('machine', '')}. "
+             "Each cell: Spearman ρ of the credit with A* / AUC of the credit for A* > 0 vs A* < 0, over the "
+             "scored turns; 95% intervals (bootstrap over episodes) in the tables below."
+             + "".join(f" Run later with --append (seed {x['seed']}, replacing any earlier result of the same "
+                       f"name): {', '.join(x['results'])}." for x in data.get("appended", [])), "",
+             "| credit (method, then its baseline) | " + " | ".join(envs_) + " |",
+             "|---|" + "---|" * len(envs_)]
+    by_method = {}  # method -> {env: result}: one row per credit, one column per env
+    for key, r in res.items():
+        by_method.setdefault(r["method"], {})[r["env"]] = r
+    for m, per_env in by_method.items():
+        labels = next(iter(per_env.values()))["labels"]
+        for k, lab in enumerate(labels):
+            cells = []
+            for e in envs_:
+                st = per_env[e]["summary"]["credit"].get(lab) if e in per_env else None
+                cells.append(f"{_num(st['spearman'])} / {_num(st['auc'])}" if st else "")
+            lines.append(f"| {f'**{lab}**' if k == 0 else lab} ({m}) | " + " | ".join(cells) + " |")
+        cells = [f"reliability {_num(per_env[e]['summary']['reliability'])}" if e in per_env else "" for e in envs_]
+        lines.append(f"| A* of {m}'s turns | " + " | ".join(cells) + " |")
+    for m, r in res.items():
+        s, c = r["summary"], r["config"]
+        lines += ["", f"### {m} ({r['env']})", "",
+                  f"Batch: {r['episodes']} episodes ({c['tasks']} tasks x {c['group']}), {r['turns_in_batch']} turns; "
+                  f"A* on {r['turns_scored']} random turns, n = {c['n']} continuations each for Q and V; "
+                  f"{r['seconds']:.0f} s ({r['mc_seconds']:.0f} s of continuations). "
+                  + (f"Episode success {r['success']:.2f}. " if r.get("success") is not None else "")
+                  + (f"Mean goal score {r['goal_score']:.2f}. " if r.get("goal_score") is not None else "")
+                  + f"Return: {r['return_measured']}. "
+                  f"A*: {s['a_star_pos_frac']:.0%} of turns > 0, {s['a_star_neg_frac']:.0%} < 0, "
+                  f"{s['a_star_zero_frac']:.0%} exactly 0; sd {s['sd_a_star']:.3f}, mean SE {s['mean_se']:.3f}, "
+                  f"reliability {_num(s['reliability'])}.", "",
+                  "| credit | Spearman ρ [95% CI] | AUC [95% CI] |", "|---|---|---|"]
+        for lab in r["labels"]:
+            st = s["credit"][lab]
+            lines.append(f"| {lab} | {_num(st['spearman'], st['spearman_ci'])} | {_num(st['auc'], st['auc_ci'])} |")
+        for lab, st in s.get("vs_method", {}).items():
+            lines.append(f"| {r['labels'][0]} minus {lab} (paired) | {_num(st['spearman'], st['spearman_ci'])} | "
+                         f"{_num(st['auc'], st['auc_ci'])} |")
+        if s["by_group_size"]:
+            sizes = sorted(s["by_group_size"], key=int)
+            lines += ["", "By the group size the credit is computed with (the same turns and A*; groups split into "
+                      "subgroups): Spearman ρ / AUC.", "",
+                      "| credit | " + " | ".join(f"G = {g}" for g in sizes) + " |", "|---|" + "---|" * len(sizes)]
+            for lab in r["labels"]:
+                lines.append(f"| {lab} | " + " | ".join(
+                    f"{_num(s['by_group_size'][g][lab]['spearman'])} / {_num(s['by_group_size'][g][lab]['auc'])}"
+                    for g in sizes) + " |")
+        bks = list(s["by_success"])
+        lines += ["", "By success context (turns, Spearman ρ / AUC):", "",
+                  "| credit | " + " | ".join(f"{b} ({s['by_success'][b][r['labels'][0]]['turns']} turns)" for b in bks)
+                  + " |", "|---|" + "---|" * len(bks)]
+        for lab in r["labels"]:
+            lines.append(f"| {lab} | " + " | ".join(
+                f"{_num(s['by_success'][b][lab]['spearman'])} / {_num(s['by_success'][b][lab]['auc'])}" for b in bks)
+                + " |")
+        lines.append("| reliability of A* | " + " | ".join(_num(s["by_success"][b]["_reliability"]) for b in bks) + " |")
+    return "\n".join(lines)
+
+
+def write_report(data: dict, doc) -> None:
+    """Put `report(data)` between the markers of `doc` (appended, with the markers, if they are missing)."""
+    from pathlib import Path
+
+    doc = Path(doc)
+    text = doc.read_text() if doc.exists() else ""
+    block = f"{REPORT_BEGIN}\n{report(data)}\n{REPORT_END}"
+    if REPORT_BEGIN in text and REPORT_END in text:
+        head, rest = text.split(REPORT_BEGIN, 1)
+        text = head + block + rest.split(REPORT_END, 1)[1]
+    else:
+        text = text + ("\n" if text and not text.endswith("\n") else "") + block + "\n"
+    doc.write_text(text)
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (np.floating, float)):
+        return float(x) if math.isfinite(x) else None
+    if isinstance(x, np.integer):
+        return int(x)
+    return x
+
+
+def main(argv=None) -> dict:
+    import argparse
+    import json
+    import platform
+    import time
+    from pathlib import Path
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--methods", nargs="*", default=list(ADAPTERS), choices=list(ADAPTERS),
+                   help="methods on their default env (none: only the --extra ones)")
+    p.add_argument("--seed", type=int, default=4, help="the reported run uses 4; sizes were tried with seed 1")
+    p.add_argument("--out", default="docs/results/credit_quality.json", help="raw per-turn results and summary")
+    p.add_argument("--n", type=int, default=None, help="continuations per Q and per V (default: per method)")
+    p.add_argument("--turns", type=int, default=None, help="scored turns per method (0: all; default: per method)")
+    p.add_argument("--tasks", type=int, default=None, help="tasks (groups) per batch (default: per method)")
+    p.add_argument("--group", type=int, default=None, help="episodes per task (default: per method)")
+    p.add_argument("--extra", nargs="*", default=[], metavar="METHOD:ENV",
+                   help="also measure a method on another env with a shipped tiny policy, e.g. aria:twenty_questions "
+                        "graphgpo:webshop istar:webshop (not part of the default run)")
+    p.add_argument("--append", action="store_true", help="add the results to those already in --out (e.g. a "
+                   "later --methods ... --extra ... run) instead of replacing them")
+    p.add_argument("--tiny-preset", default=None, help="e.g. micro: a fast smoke run with untrained micro policies")
+    p.add_argument("--reps", type=int, default=1000, help="bootstrap resamples")
+    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--doc", default="docs/credit_quality.md", help="where --report writes the tables")
+    p.add_argument("--report", action="store_true", help="write the tables of --out into --doc (after a run, "
+                   "or alone: from an existing --out)")
+    p.add_argument("--report-only", action="store_true", help="do not run: only write the tables of --out")
+    a = p.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(a.threads)
+    if a.report_only:  # the summaries are recomputed from the stored turns (and stored again)
+        data = json.loads(Path(a.out).read_text())
+        for res in data["results"].values():
+            res["summary"] = summarize(res, a.reps)
+        data = _jsonable(data)
+        Path(a.out).write_text(json.dumps(data, indent=1, ensure_ascii=False))
+        write_report(data, a.doc)
+        return data
+    t0 = time.time()
+    data = {"seed": a.seed, "machine": f"{platform.machine()}, {torch.get_num_threads()} torch thread(s)",
+            "argv": list(argv) if argv is not None else None, "results": {}}
+    jobs = [(m, m, None) for m in a.methods] + [(x, *x.split(":", 1)) for x in a.extra]
+    for key, m, env_id in jobs:
+        key = key.replace(":", "@")
+        d = DEFAULTS[m]
+        cfg = Config(tasks=a.tasks or d.tasks, group=a.group or d.group, n=a.n or d.n,
+                     turns=d.turns if a.turns is None else a.turns, seed=a.seed)
+        t1 = time.time()
+        extra = ["--tiny-preset", a.tiny_preset] if a.tiny_preset else []
+        res = ADAPTERS[m](cfg, argv=extra, **({"env_id": env_id} if env_id else {}))
+        res["seconds"] = time.time() - t1
+        res["summary"] = summarize(res, a.reps)
+        data["results"][key] = res
+        s = res["summary"]
+        print(f"{key}: {res['seconds']:.0f} s, reliability {s['reliability']:.2f}; " + "; ".join(
+            f"{lab} rho {s['credit'][lab]['spearman']:.2f} auc {s['credit'][lab]['auc']:.2f}" for lab in res["labels"]),
+            flush=True)
+    data["seconds"] = time.time() - t0
+    data = _jsonable(data)
+    if a.append and a.out and Path(a.out).exists():
+        old = json.loads(Path(a.out).read_text())
+        old.setdefault("appended", []).append({k: data[k] for k in ("seed", "machine", "argv", "seconds")}
+                                              | {"results": list(data["results"])})
+        old["results"].update(data["results"])
+        data = old
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(data, indent=1, ensure_ascii=False))
+    if a.report:
+        write_report(data, a.doc)
+    return data
+
+
+if __name__ == "__main__":
+    main()

@@ -96,3 +96,125 @@ def test_reliability_and_bootstrap_interval():
     credit = a + rng.normal(scale=0.5, size=400)
     value, lo, hi = cq.bootstrap_ci(cq.spearman, credit, a, clusters=np.arange(400) // 4, reps=300)
     assert lo < value < hi and 0.8 < value < 0.95 and hi - lo < 0.1
+
+
+def test_a_continuation_returns_the_sum_of_its_step_rewards():
+    # reward 1 per step played, plus 10 at a success. From the start two steps are left; after one move one.
+    # Policy always "A": every continuation succeeds. Q(start, B) plays B then A: 2 steps, no success.
+    def reward(step, env):
+        return 1.0 + 10.0 * float(step.done and step.info["success"])
+
+    start = TwoTurns()
+    start.reset("t")
+    after_a = start.clone()
+    after_a.step("A")
+    est = cq.mc_advantages([start, start, after_a], ["A", "B", "A"], coin_policy(1.0, random.Random(0)), 3, reward)
+    assert est.q.tolist() == [12.0, 2.0, 11.0] and est.v.tolist() == [12.0, 12.0, 11.0]
+    assert est.a_star.tolist() == [0.0, -10.0, 0.0] and est.se.tolist() == [0.0, 0.0, 0.0]
+
+
+def test_a_reward_per_state_scores_each_pair_for_its_own_seat():
+    # The second pair is scored by the loser's reward (1 - success): its A* is the first one's, negated.
+    start = TwoTurns()
+    start.reset("t")
+    win = cq.final_return
+
+    def lose(step, env):
+        return float(step.done and not step.info["success"])
+
+    est = cq.mc_advantages([start, start], ["A", "A"], coin_policy(1.0, random.Random(0)), 4, [win, lose])
+    assert est.q.tolist() == [1.0, 0.0] and est.v.tolist() == [1.0, 0.0]
+    est = cq.mc_advantages([start, start], ["B", "B"], coin_policy(1.0, random.Random(0)), 4, [win, lose])
+    assert est.a_star.tolist() == [-1.0, 1.0]
+
+
+def test_pairs_with_the_same_key_share_their_continuations():
+    # Two identical (state, action) pairs with one key are estimated once: the same numbers, and the policy
+    # is asked for as many moves as for one pair alone (with the same seed, the same draws).
+    start = TwoTurns()
+    start.reset("t")
+    calls = []
+
+    def policy(envs):
+        calls.append(len(envs))
+        return coin_policy(0.5, rng)(envs)
+
+    rng = random.Random(3)
+    both = cq.mc_advantages([start, start, start], ["A", "A", "B"], policy, 50, keys=["s", "s", "s"])
+    asked_both = sum(calls)
+    calls.clear()
+    rng = random.Random(3)
+    one = cq.mc_advantages([start, start], ["A", "B"], policy, 50, keys=["s", "s"])
+    assert sum(calls) == asked_both
+    assert both.a_star[0] == both.a_star[1] == one.a_star[0] and both.a_star[2] == one.a_star[1]
+    assert both.v[0] == both.v[2]  # one V for the state, whatever the action
+
+
+def test_regroup_splits_each_group_into_consecutive_subgroups():
+    assert cq._regroup([0, 0, 0, 0, 1, 1, 1, 1], 2) == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert cq._regroup([5, 5, 5, 2, 2, 2], 3) == [0, 0, 0, 1, 1, 1]
+    assert cq._group_sizes(8) == [2, 4, 8] and cq._group_sizes(6) == [2, 6]
+
+
+def _result(rows):
+    return {"method": "graphgpo", "env": "sokoban", "labels": ["M", "B"], "config": vars(cq.Config(tasks=2, group=2)),
+            "rows": rows, "episodes": 4, "success": 0.5, "turns_in_batch": len(rows), "turns_scored": len(rows),
+            "seconds": 1.0, "mc_seconds": 0.5, "return_measured": "success"}
+
+
+def test_summary_and_report_between_the_markers(tmp_path):
+    # Credit M orders the turns as A* does (rho 1, AUC 1); B reverses them (rho -1, AUC 0).
+    a = [0.4, 0.2, -0.1, -0.3, 0.1, -0.2]
+    rows = [{"traj": i // 2, "group": i // 4, "turn": i % 2, "group_success": 0.5 if i < 4 else 0.0,
+             "credit": {"M": x, "B": -x}, "credit_by_group_size": {}, "a_star": x, "se": 0.0} for i, x in enumerate(a)]
+    res = _result(rows)
+    res["summary"] = s = cq.summarize(res, reps=50)
+    assert s["credit"]["M"]["spearman"] == pytest.approx(1.0) and s["credit"]["M"]["auc"] == 1.0
+    assert s["credit"]["B"]["spearman"] == pytest.approx(-1.0) and s["credit"]["B"]["auc"] == 0.0
+    assert s["reliability"] == 1.0 and s["by_success"]["group success 0"]["M"]["turns"] == 2
+    # the paired difference, method minus baseline, in every resample: 1 - (-1) and 1 - 0
+    assert s["vs_method"]["B"]["spearman"] == pytest.approx(2.0) and s["vs_method"]["B"]["spearman_ci"] == pytest.approx([2, 2])
+    assert s["vs_method"]["B"]["auc"] == 1.0
+    doc = tmp_path / "doc.md"
+    doc.write_text("intro\n")
+    data = {"seed": 4, "seconds": 60.0, "machine": "test", "results": {"graphgpo": res}}
+    cq.write_report(data, doc)
+    cq.write_report(data, doc)  # a second report replaces the first
+    text = doc.read_text()
+    assert text.startswith("intro\n") and text.count(cq.REPORT_BEGIN) == 1 and text.count(cq.REPORT_END) == 1
+    assert "| **M** (graphgpo) | 1.00 / 1.00 |" in text and "| B (graphgpo) | -1.00 / 0.00 |" in text
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread, as the benchmark runs (on a busy 2-core machine more threads make it many times slower)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_graphgpo_adapter_on_a_micro_policy(tiny_cache, one_thread):
+    # GRPO's credit is the episode term alone: one value for every turn of an episode.
+    # two turns and eight tokens at most: an untrained micro policy would otherwise play 15 long turns
+    fast = ["--tiny-preset", "micro", "--max-turns", "2", "--max-new-tokens", "8"]
+    res = cq.graphgpo_batch(cq.Config(tasks=2, group=2, n=1, turns=4, seed=1), argv=fast)
+    assert res["labels"] == ["GraphGPO", "GRPO", "GiGPO"] and res["turns_scored"] == 4 and res["episodes"] == 4
+    for r in res["rows"]:
+        assert set(r["credit"]) == set(res["labels"]) and set(r["credit_by_group_size"]) == set()
+        assert all(np.isfinite([r["a_star"], r["se"], *r["credit"].values()]))
+    by_traj = {}
+    for r in res["rows"]:
+        by_traj.setdefault(r["traj"], set()).add(r["credit"]["GRPO"])
+    assert all(len(v) == 1 for v in by_traj.values())
+
+
+def test_aria_adapter_scores_each_seat_on_a_micro_policy(tiny_cache, one_thread):
+    res = cq.aria_batch(cq.Config(tasks=1, group=2, n=1, turns=4, seed=1),
+                        argv=["--tiny-preset", "micro", "--max-new-tokens", "8"])
+    assert res["labels"] == ["ARIA", "REINFORCE"] and res["turns_scored"] == 4
+    for r in res["rows"]:
+        assert 0.0 <= r["q"] <= 1.0 and 0.0 <= r["v"] <= 1.0  # a seat's normalised payoff
+        assert r["credit"]["REINFORCE"] >= 0.0  # raw discounted returns of outcomes in [0, 1]
