@@ -271,7 +271,7 @@ def render_summary(summary: Summary, records_by_table: dict[str, list[dict]], ta
            "each method's page.",
            "",
            "| method | baseline | env: metric | method change ± SE | baseline change ± SE | paired difference ± SE "
-           "| seeds | wall s per run (median) | command |",
+           "| seeds | wall s per run (median; one thread per run, load above the cores means a shared machine) | command |",
            "|---|---|---|---|---|---|---|---|---|"]
     for key, m, b in summary.rows:
         t = tables[key]
@@ -284,11 +284,13 @@ def render_summary(summary: Summary, records_by_table: dict[str, list[dict]], ta
         sm, sb, d = variant_stats(runs[m]), variant_stats(runs[b]), paired(runs[m], runs[b])
         any_line = next(iter(runs[m].values()))
         cores = sorted({r["machine"]["cpu_count"] for r in runs[m].values()})
+        loads = [x for r in runs[m].values() for x in (r["machine"]["load_average_start"][0],
+                                                         r["machine"]["load_average_end"][0])]
         diff = pm(d["mean"], d["se"]) if d else "no common seed"
         out.append(f"| {label_m} | {label_b} | {any_line['env_id']}: `{any_line['metric']}` | "
                    f"{pm(sm['change'], sm['change_se'])} | {pm(sb['change'], sb['change_se'])} | {diff} | "
                    f"{', '.join(map(str, d['seeds'] if d else sm['seeds']))} | "
-                   f"{sm['wall_median']:.0f} ({'/'.join(map(str, cores))} CPU cores) | `{cmd}` |")
+                   f"{sm['wall_median']:.0f} ({'/'.join(map(str, cores))} CPU cores, load {min(loads):.1f}-{max(loads):.1f}) | `{cmd}` |")
     return "\n".join(out)
 
 

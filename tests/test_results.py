@@ -118,7 +118,7 @@ def test_rendered_tables_show_the_hand_numbers(toy_records):
     assert "[../docs/results/toy.jsonl]" not in text and "[results/toy.jsonl](results/toy.jsonl)" in text
     summary = report.render_summary(TOY_SUMMARY, {"toy": toy_records}, tables=[TOY])
     assert ("| Method | Base (`--step-advantage none`) | sokoban: `eval/success` | +0.150 ± 0.050 | +0.050 ± 0.029 | "
-            "+0.100 ± 0.058 | 4, 5, 6 | 200 (2 CPU cores) | `python graphgpo.py --seed S --torch-threads 1` |") in summary
+            "+0.100 ± 0.058 | 4, 5, 6 | 200 (2 CPU cores, load 1.0-2.0) | `python graphgpo.py --seed S --torch-threads 1` |") in summary
 
 
 def test_table_without_results_says_how_to_make_them():
