@@ -19,7 +19,8 @@ extra flags, the command as a user types it (without --output-dir and --exp-name
 result), the seed, the main metric (the `learning` block of the run's summary.json: before, after, change,
 each with its standard error), the greedy metric before and after (with its SE where the script logs
 one), the learning curve (the main metric at every evaluation), the means over iterations of the run's
-`credit/*` and `perf/*` metrics, wall seconds of the subprocess, iterations, the run's config.json, the
+`credit/*` and `perf/*` metrics, the method's end-of-run statistics from summary.json (`prm_*`: iStar's
+held-out PRM pair accuracy), wall seconds of the subprocess, iterations, the run's config.json, the
 tiny policy (the recipe hash of its tiny_meta.json and a hash of its weights: the same recipe builds
 different weights on different machines), the machine (CPU model and count, load average at the start
 and end of the run, torch and transformers versions), the git commit and whether tracked files outside
@@ -59,7 +60,8 @@ SCRIPTS = ("graphgpo", "istar", "delta_belief", "aria", "epo")
 RUNNER_FLAGS = ("--seed", "--torch-threads", "--output-dir", "--exp-name")  # the runner sets these
 RECORD_KEYS = ("bench", "script", "variant", "variant_flags", "extra_flags", "command", "seed", "env_id",
                "metric", "before", "before_se", "after", "after_se", "change", "change_se", "fell", "greedy",
-               "curve", "credit_means", "perf_means", "wall_seconds", "iterations", "config", "tiny_policy",
+               "curve", "credit_means", "perf_means", "method_stats", "wall_seconds", "iterations", "config",
+               "tiny_policy",
                "machine", "git", "parallel", "finished_at")
 
 
@@ -306,6 +308,8 @@ def collect(run_dir: Path) -> dict:
                 "metric", "before", "before_se", "after", "after_se", "change", "change_se", "fell")},
             "greedy": greedy_block(summary["first_eval"], summary["last_eval"], metric), "curve": curve,
             "credit_means": numeric_means(rows, "credit/"), "perf_means": numeric_means(rows, "perf/"),
+            # the method's own end-of-run statistics from summary.json (iStar: the held-out PRM pair accuracy)
+            "method_stats": {k: v for k, v in summary.items() if k.startswith("prm_")},
             "iterations": summary["iterations"], "config": config}
 
 
