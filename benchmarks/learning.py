@@ -61,8 +61,7 @@ RUNNER_FLAGS = ("--seed", "--torch-threads", "--output-dir", "--exp-name")  # th
 RECORD_KEYS = ("bench", "script", "variant", "variant_flags", "extra_flags", "command", "seed", "env_id",
                "metric", "before", "before_se", "after", "after_se", "change", "change_se", "fell", "greedy",
                "curve", "credit_means", "perf_means", "method_stats", "wall_seconds", "iterations", "config",
-               "tiny_policy",
-               "machine", "git", "parallel", "finished_at")
+               "tiny_policy", "machine", "git", "parallel", "finished_at")
 
 
 class UsageError(Exception):

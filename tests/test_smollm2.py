@@ -355,7 +355,7 @@ E2E = {
     "aria.py": ["--games-per-iteration", "2", "--max-turns", "1", "--eval-k", "1", "--eval-opponents", "fair",
                 "--num-epochs", "1"],
     "epo.py": ["--episodes-per-iteration", "2", "--num-epochs", "1", "--trajectories-per-step", "2",
-               "--eval-opponents", "fair", "--no-eval-selfplay"],
+               "--eval-opponents", "fair", "--no-eval-selfplay", "--agent-max-new-tokens", "8"],
 }
 ADAPTERS = {"istar.py": ["default", "prm"]}
 
