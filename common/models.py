@@ -45,8 +45,6 @@ and old/reference log-probs, `model.train()` for training forwards.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import importlib.util
 import json
 import logging
@@ -184,30 +182,8 @@ def _progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-@contextlib.contextmanager
-def _file_lock(path: Path):
-    """An exclusive advisory lock (POSIX), so that two processes convert a model once; a no-op where fcntl
-    is missing (then the atomic rename decides)."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover
-        yield
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+# one lock and one checksum for the whole package: the tiny-policy cache's (common/tiny.py)
+from common.tiny import _file_lock, _sha256  # noqa: E402
 
 
 def _packaged_complete(path: Path, spec: PackagedModel) -> bool:
