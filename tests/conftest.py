@@ -180,3 +180,15 @@ def random_policy_wins(env, episodes: int, seed: int = 0, actions=None) -> tuple
             invalid += bool(s.info.get("invalid"))
         wins += bool(s.info["success"])
     return wins, invalid
+
+
+@pytest.fixture
+def one_torch_thread():
+    """One torch thread for the test (robust on a shared, loaded machine); restored afterwards. Modules that
+    want it for every test set `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
