@@ -408,10 +408,12 @@ def belief_message_for(template, env, is_tiny):
 
 
 def rollout(model, tok, new_env, task_ids, group_ids, args, temperature, belief_message, greedy=False,
-            best_of_n=0, max_turns=None, with_beliefs=True):
+            best_of_n=0, max_turns=None, with_beliefs=True, belief_games=None):
     """Play one game per task id, all envs stepped together: one batched generate per turn. With `best_of_n`
     > 0 (evaluation, Fig. 3) the question with the largest belief gain of n is kept (docs/delta_belief.md,
-    "Implementation details" 11).
+    "Implementation details" 11). `belief_games` (indices into task_ids; None: all) limits the belief
+    elicitation of `with_beliefs` to those games; it is a forward pass without sampling, so the games
+    played are the same either way.
     """
     envs_, episodes = [], []
     for i, (task, g) in enumerate(zip(task_ids, group_ids)):
@@ -423,10 +425,13 @@ def rollout(model, tok, new_env, task_ids, group_ids, args, temperature, belief_
         episodes.append(Episode(traj_id=i, group_id=g, task_id=str(task), target=str(getattr(env, "target", ""))))
     model.eval()
     tmpl, mb = belief_message, args.micro_batch_size
+    scored = set(range(len(envs_)) if belief_games is None or best_of_n else belief_games)
     if with_beliefs or best_of_n:
-        b0 = elicit_beliefs(model, tok, [e.messages() for e in envs_], [ep.target for ep in episodes], tmpl, mb)
-        for ep, b in zip(episodes, b0):
-            ep.beliefs.append(float(b))
+        first = sorted(scored)
+        b0 = elicit_beliefs(model, tok, [envs_[i].messages() for i in first], [episodes[i].target for i in first],
+                            tmpl, mb)
+        for i, b in zip(first, b0):
+            episodes[i].beliefs.append(float(b))
     while True:
         active = [i for i, e in enumerate(envs_) if not e.done]
         if not active:
@@ -470,12 +475,13 @@ def rollout(model, tok, new_env, task_ids, group_ids, args, temperature, belief_
             if b is not None:
                 ep.beliefs.append(float(b) if np.isfinite(b) else float("nan"))
         if with_beliefs and best_of_n <= 1:
-            need = [i for i in active if not episodes[i].success]
+            need = [i for i in active if not episodes[i].success and i in scored]
             bs = elicit_beliefs(model, tok, [envs_[i].messages() for i in need], [episodes[i].target for i in need],
                                tmpl, mb)
             got = dict(zip(need, bs))
             for i in active:
-                episodes[i].beliefs.append(float(got[i]) if i in got else float("nan"))
+                if i in scored:
+                    episodes[i].beliefs.append(float(got[i]) if i in got else float("nan"))
     return episodes
 
 
@@ -646,12 +652,14 @@ def evaluate(model, tok, new_env, tasks, args, max_turns, prefix, belief_message
     out, records = {}, []
     tasks_k = [t for t in tasks for _ in range(args.eval_k)]
     groups_k = [g for g in range(len(tasks)) for _ in range(args.eval_k)]
+    # the belief curve is read off the first of the k games per target: a fifth of the elicitation cost
     episodes = rollout(model, tok, new_env, tasks_k, groups_k, args, args.eval_temperature, belief_message,
-                  max_turns=max_turns)
+                       max_turns=max_turns, belief_games=range(0, len(tasks_k), args.eval_k))
     for key, v in episode_stats(episodes, args.eval_k).items():
         out[f"{prefix}{key}"] = v
     out[f"{prefix}belief_curve"] = belief_curve(episodes, max_turns)
-    records += [episode_record(ep, f"{prefix}sampled") for ep in episodes[: args.num_logged_episodes]]
+    logged = episodes[:: args.eval_k][: args.num_logged_episodes]  # one game per target, with its beliefs
+    records += [episode_record(ep, f"{prefix}sampled") for ep in logged]
     greedy = rollout(model, tok, new_env, tasks, list(range(len(tasks))), args, 1.0, belief_message, greedy=True,
                      max_turns=max_turns, with_beliefs=False)
     out[f"{prefix}success_greedy"], out[f"{prefix}success_greedy_se"] = mean_se([ep.success for ep in greedy])
