@@ -187,6 +187,33 @@ def test_belief_equals_hand_computed_target_logprob(micro_policy):
         assert b < 0
 
 
+def test_beliefs_on_some_games_play_the_same_games(micro_policy):
+    """The evaluation reads beliefs on the first of its k games per secret only: reading a belief samples
+    nothing, so the games played (and every success) are those of a rollout that reads them all."""
+    import torch
+
+    import envs
+
+    model, tok = micro_policy
+    args = db.Args(max_new_tokens=10, micro_batch_size=4)
+    tasks = [t for t in envs.make("twenty_questions").task_ids("test")[:3] for _ in range(2)]
+    new_env = lambda: envs.make("twenty_questions")  # noqa: E731
+    played = {}
+    for games in (None, [0, 2, 4]):
+        torch.manual_seed(0)
+        played[games is None] = db.rollout(model, tok, new_env, tasks, [0, 0, 1, 1, 2, 2], args, 1.5, "Is it '{target}'?",
+                                           max_turns=3, belief_games=games)
+    every, some = played[True], played[False]
+    assert [ep.completions for ep in every] == [ep.completions for ep in some]
+    assert [ep.success for ep in every] == [ep.success for ep in some]
+    for i, (a, b) in enumerate(zip(every, some)):
+        assert len(a.beliefs) == a.length + 1  # b_0 .. b_T
+        if i % 2 == 0:  # a scored game: the same beliefs as in the full rollout
+            np.testing.assert_allclose(b.beliefs, a.beliefs, atol=1e-4)
+        else:
+            assert b.beliefs == []
+
+
 # ---------------------------------------------------------------------------------------------
 # end to end
 # ---------------------------------------------------------------------------------------------
