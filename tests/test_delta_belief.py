@@ -201,8 +201,8 @@ def test_beliefs_on_some_games_play_the_same_games(micro_policy):
     played = {}
     for games in (None, [0, 2, 4]):
         torch.manual_seed(0)
-        played[games is None] = db.rollout(model, tok, new_env, tasks, [0, 0, 1, 1, 2, 2], args, 1.5, "Is it '{target}'?",
-                                           max_turns=3, belief_games=games)
+        played[games is None] = db.rollout(model, tok, new_env, tasks, [0, 0, 1, 1, 2, 2], args, 1.5,
+                                           "Is it '{target}'?", max_turns=3, belief_games=games)
     every, some = played[True], played[False]
     assert [ep.completions for ep in every] == [ep.completions for ep in some]
     assert [ep.success for ep in every] == [ep.success for ep in some]
