@@ -107,6 +107,23 @@ def test_paired_difference_uses_only_common_seeds(toy_records):
     assert report.paired(runs["m"], {}) is None
 
 
+def test_paired_curve_by_hand():
+    def run(*points):
+        return {"curve": [{"iteration": i, "value": v, "se": 0.02} for i, v in points]}
+
+    method = {4: run((0, 0.3), (10, 0.40), (20, 0.50)), 5: run((0, 0.3), (10, 0.35), (20, 0.45)),
+              6: run((0, 0.3), (10, 0.50))}
+    base = {4: run((0, 0.3), (10, 0.30), (20, 0.40)), 5: run((0, 0.3), (10, 0.35), (20, 0.35)),
+            6: run((0, 0.3), (20, 0.30))}
+    # seed 4: (0.10 + 0.10) / 2 = 0.10; seed 5: (0.00 + 0.10) / 2 = 0.05; iteration 0 is not counted;
+    # seed 6: no evaluation after iteration 0 in common -> left out. Mean 0.075, SE = 0.035355 / sqrt(2) = 0.025
+    d = report.paired_curve(method, base)
+    assert d["seeds"] == [4, 5]
+    assert d["per_seed"][4] == pytest.approx(0.10) and d["per_seed"][5] == pytest.approx(0.05)
+    assert (d["mean"], d["se"]) == (pytest.approx(0.075), pytest.approx(0.025))
+    assert report.paired_curve({6: method[6]}, {6: base[6]}) is None
+
+
 def test_rendered_tables_show_the_hand_numbers(toy_records):
     text = report.render_table(TOY, toy_records)
     assert "| Method | `python graphgpo.py --seed S --torch-threads 1` | 3 | 0.450 | 0.600 | +0.150 ± 0.050 | " \
@@ -115,6 +132,9 @@ def test_rendered_tables_show_the_hand_numbers(toy_records):
            "+0.050 ± 0.029 |" in text
     assert "| Method change | +0.200 ± 0.030 | +0.050 ± 0.030 | +0.200 ± 0.030 | +0.150 ± 0.050 |" in text
     assert "| Method − Base (paired) | +0.100 | +0.000 | +0.200 | +0.100 ± 0.058 |" in text
+    # the fixture's curves hold iteration 40 only after iteration 0: the same differences as at the end
+    assert ("| Method − Base, mean over the evaluations during training (paired) | +0.100 | +0.000 | +0.200 | "
+            "+0.100 ± 0.058 |") in text
     assert "[../docs/results/toy.jsonl]" not in text and "[results/toy.jsonl](results/toy.jsonl)" in text
     summary = report.render_summary(TOY_SUMMARY, {"toy": toy_records}, tables=[TOY])
     assert ("| Method | Base (`--step-advantage none`) | sokoban: `eval/success` | +0.150 ± 0.050 | +0.050 ± 0.029 | "
