@@ -107,7 +107,7 @@ class Args:
     """test targets per evaluation (0: all test targets of the env)"""
     eval_k: int = 5
     """sampled games per test target (success = mean over them, pass@k = any of them)"""
-    eval_every: int = 8
+    eval_every: int = 16
     """evaluate every this many iterations (and before training and at the end)"""
     eval_best_of_n: int = 0
     """if > 0: also evaluate ΔBelief best-of-n sampling (Fig. 3) before and after training"""
@@ -117,14 +117,14 @@ class Args:
     # algorithm
     reward_mode: Literal["delta", "starpo"] = "delta"
     """'delta': ΔBelief turn rewards + turn-wise GRPO; 'starpo': trajectory-level GRPO (baseline)"""
-    num_iterations: int = 16
+    num_iterations: int = 32
     """training iterations (rollout + update)"""
     tasks_per_iteration: int = 4
     """distinct secrets per iteration (official: 240 on GPUs)"""
     group_size: int = 8
     """G: games per secret, the GRPO group (paper: 16; 8 here so that an iteration covers 4 secrets)"""
     learning_rate: Optional[float] = None
-    """AdamW learning rate; None: 3e-5 (paper) for a real model, 1e-4 for the tiny policy (docs/learning.md)"""
+    """AdamW learning rate; None: 3e-5 (paper) for a real model, 5e-4 for the tiny policy (docs/delta_belief.md)"""
     adam_betas: tuple[float, float] = (0.9, 0.95)
     """AdamW betas (official)"""
     weight_decay: float = 0.01
@@ -816,8 +816,7 @@ def make_env(args):
     from common.models import policy_defaults
 
     # a tiny policy was trained on prompts rendered with its recipe's env options: use the same ones
-    defaults = policy_defaults(args.model_name, args.env_id, args.tiny_preset, learning_rate=3e-5, max_new_tokens=50,
-                               tiny_learning_rate=1e-4)
+    defaults = policy_defaults(args.model_name, args.env_id, args.tiny_preset, learning_rate=3e-5, max_new_tokens=50)
     kw = dict(defaults.env_kwargs)
     if args.history is not None:
         kw["history"] = args.history

@@ -292,7 +292,7 @@ def test_make_env_returns_the_factory_a_probe_the_defaults_and_the_env_options()
     new_env, probe, defaults, kw = db.make_env(args)
     env = new_env()
     assert env is not probe and env.max_turns == 3 and probe.target and kw["history"] == 2
-    assert defaults.is_tiny and defaults.learning_rate == 1e-4  # the tiny learning rate delta_belief passes
+    assert defaults.is_tiny and defaults.learning_rate == 5e-4  # the tiny learning rate (docs/delta_belief.md)
     new_ood_env, ood_tasks, _ = db.make_ood_env(args, kw, 3, defaults.is_tiny)
     assert new_ood_env().max_turns == 3 and len(ood_tasks) == 2
     with pytest.raises(UserError, match="--eval-env-id 'sokoban' has no hidden target"):
