@@ -385,11 +385,13 @@ def render_report(records) -> str:
              "last of each key is shown). How to read and rerun them: [the benchmark's docstring]"
              "(../benchmarks/real_model.py). Load average: the machine's 1-minute load while a row was "
              "measured (2 cores; above 2, other jobs shared the CPU and every time is inflated).", "",
-             "The committed rows are a small first run on a loaded machine: zero-shot on 2 tasks per env and at "
-             "most 2 turns (`zeroshot --num-tasks 2 --max-turns 2 --think-tokens 48 --action-tokens 16 --threads 1`), "
-             "timing of GraphGPO in fp32 only (`timing --scripts graphgpo.py --precisions plain --threads 1`). The full run on an idle "
-             "machine: `python benchmarks/real_model.py zeroshot && python benchmarks/real_model.py timing && "
-             "python benchmarks/real_model.py sft-rl` (the new rows replace these).", ""]
+             "The committed rows: zero-shot on 2 tasks per env and at most 2 turns (`zeroshot --num-tasks 2 "
+             "--max-turns 2 --think-tokens 48 --action-tokens 16 --threads 1`, a loaded machine), and the timing "
+             "of all five scripts in fp32 and 4-bit (`timing --threads 1`, one torch thread while two other "
+             "benchmark runs shared the 2 cores: the load column). Not run yet: the zero-shot defaults (8 tasks, "
+             "the envs' own turn limits) and `sft-rl`; the full run on an idle machine: `python "
+             "benchmarks/real_model.py zeroshot && python benchmarks/real_model.py timing && python "
+             "benchmarks/real_model.py sft-rl` (the new rows replace these).", ""]
     zs = latest(records, "zeroshot", lambda r: (r["env_id"], r["format"]))
     if zs:
         any_r = next(iter(zs.values()))
