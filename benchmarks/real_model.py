@@ -388,8 +388,10 @@ def render_report(records) -> str:
              "The committed rows: zero-shot on 2 tasks per env and at most 2 turns (`zeroshot --num-tasks 2 "
              "--max-turns 2 --think-tokens 48 --action-tokens 16 --threads 1`, a loaded machine), and the timing "
              "of all five scripts in fp32 and 4-bit (`timing --threads 1`, one torch thread while two other "
-             "benchmark runs shared the 2 cores: the load column). Not run yet: the zero-shot defaults (8 tasks, "
-             "the envs' own turn limits) and `sft-rl`; the full run on an idle machine: `python "
+             "benchmark runs shared the 2 cores: the load column; ARIA's update is near 0 s because every "
+             "zero-shot self-play turn was invalid, so every REINFORCE weight was 0 and nothing was "
+             "back-propagated). Still to do: the zero-shot defaults (8 tasks, the envs' own turn limits) and "
+             "`sft-rl`; the full run on an idle machine: `python "
              "benchmarks/real_model.py zeroshot && python benchmarks/real_model.py timing && python "
              "benchmarks/real_model.py sft-rl` (the new rows replace these).", ""]
     zs = latest(records, "zeroshot", lambda r: (r["env_id"], r["format"]))
