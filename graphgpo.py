@@ -687,12 +687,12 @@ def mean_se(values) -> tuple[float, float]:
 
 def learning_summary(first, last, metric):
     """The run's main evaluation metric before and after training, the change and its standard error
-    (the two evaluations' SEs in quadrature); `fell` is True when the change is below -2 SE."""
+    (the two evaluations' SEs in quadrature); `rose` / `fell`: the change is above +2 SE / below -2 SE."""
     before, after = float(first[metric]), float(last[metric])
     se0, se1 = float(first.get(metric + "_se", 0.0)), float(last.get(metric + "_se", 0.0))
     change, se = after - before, math.sqrt(se0 ** 2 + se1 ** 2)
     return {"metric": metric, "before": before, "before_se": se0, "after": after, "after_se": se1,
-            "change": change, "change_se": se, "fell": bool(change < -2.0 * se)}
+            "change": change, "change_se": se, "rose": bool(change > 2.0 * se), "fell": bool(change < -2.0 * se)}
 
 
 def print_learning(s):

@@ -48,11 +48,14 @@ def test_mean_se_and_learning_summary_by_hand(capsys):
     first = {"eval/success": 0.50, "eval/success_se": 0.03}
     # change -0.12, SE sqrt(0.03^2 + 0.04^2) = 0.05: below -2 SE -> fell, and the warning is printed
     s = g.learning_summary(first, {"eval/success": 0.38, "eval/success_se": 0.04}, "eval/success")
-    assert abs(s["change"] + 0.12) < 1e-12 and abs(s["change_se"] - 0.05) < 1e-12 and s["fell"]
+    assert abs(s["change"] + 0.12) < 1e-12 and abs(s["change_se"] - 0.05) < 1e-12 and s["fell"] and not s["rose"]
     g.print_learning(s)
     assert "WARNING: eval/success fell by more than two standard errors" in capsys.readouterr().out
     # change -0.08 with the same SE: within noise, no warning
     s = g.learning_summary(first, {"eval/success": 0.42, "eval/success_se": 0.04}, "eval/success")
-    assert not s["fell"]
+    assert not s["fell"] and not s["rose"]
+    # change +0.11 with the same SE: above +2 SE (0.10) -> rose; +0.09 is not
+    assert g.learning_summary(first, {"eval/success": 0.61, "eval/success_se": 0.04}, "eval/success")["rose"]
+    assert not g.learning_summary(first, {"eval/success": 0.59, "eval/success_se": 0.04}, "eval/success")["rose"]
     g.print_learning(s)
     assert "WARNING" not in capsys.readouterr().out
