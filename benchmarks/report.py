@@ -21,8 +21,8 @@ and after training (means over seeds), the mean change ± SE over seeds (SE = sa
 greedy metric before → after, and the median [min, max] wall time per run; per seed each change with its
 run's own SE; per (method, baseline) the paired difference of the changes on the same seed, mean ± SE over
 seeds, and, as a secondary statistic, the paired difference averaged over the evaluations during training
-(how far ahead a method was before the end). SUMMARY is the cross-method table in README.md: one row per (method, baseline) pair. Markers that
-are missing are reported and skipped. With matplotlib, the learning curves (mean over seeds, ± SE band)
+(how far ahead a method was before the end). SUMMARY is the cross-method table in README.md: one row per
+(method, baseline) pair. Markers that are missing are reported and skipped. With matplotlib, the learning curves (mean over seeds, ± SE band)
 go to docs/results/<key>.png.
 """
 
@@ -269,18 +269,13 @@ def render_table(table: Table, records: list[dict], with_plot: bool = False) -> 
         if v in stats:
             cells = [pm(*stats[v]["per_seed"][s]) if s in runs[v] else "n/a" for s in seeds]
             out.append(f"| {label} change | " + " | ".join(cells) + f" | {pm(stats[v]['change'], stats[v]['change_se'])} |")
-    for b in table.baselines:
-        d = paired(runs[table.method], runs[b])
-        if d:
-            cells = [f"{d['per_seed'][s]:+.3f}" if s in d["per_seed"] else "n/a" for s in seeds]
-            out.append(f"| {table.variants[table.method][0]} − {table.variants[b][0]} (paired) | "
-                       + " | ".join(cells) + f" | {pm(d['mean'], d['se'])} |")
-    for b in table.baselines:
-        d = paired_curve(runs[table.method], runs[b])
-        if d:
-            cells = [f"{d['per_seed'][s]:+.3f}" if s in d["per_seed"] else "n/a" for s in seeds]
-            out.append(f"| {table.variants[table.method][0]} − {table.variants[b][0]}, mean over the evaluations "
-                       f"during training (paired) | " + " | ".join(cells) + f" | {pm(d['mean'], d['se'])} |")
+    for stat, what in ((paired, ""), (paired_curve, ", mean over the evaluations during training")):
+        for b in table.baselines:
+            d = stat(runs[table.method], runs[b])
+            if d:
+                cells = [f"{d['per_seed'][s]:+.3f}" if s in d["per_seed"] else "n/a" for s in seeds]
+                out.append(f"| {table.variants[table.method][0]} − {table.variants[b][0]}{what} (paired) | "
+                           + " | ".join(cells) + f" | {pm(d['mean'], d['se'])} |")
     if with_plot:
         out += ["", f"![{metric} per iteration, mean ± SE over seeds]({link(table.doc, table.plot)})"]
     return "\n".join(out)
