@@ -652,7 +652,7 @@ def evaluate(model, tok, new_env, tasks, args, max_turns, prefix, belief_message
     out, records = {}, []
     tasks_k = [t for t in tasks for _ in range(args.eval_k)]
     groups_k = [g for g in range(len(tasks)) for _ in range(args.eval_k)]
-    # the belief curve is read off the first of the k games per target: a fifth of the elicitation cost
+    # the belief curve is read off the first of the k games per target: 1/k of the elicitation cost
     episodes = rollout(model, tok, new_env, tasks_k, groups_k, args, args.eval_temperature, belief_message,
                        max_turns=max_turns, belief_games=range(0, len(tasks_k), args.eval_k))
     for key, v in episode_stats(episodes, args.eval_k).items():
