@@ -6,6 +6,7 @@ the tiny recipe's demonstrations, before and after RL.
     python benchmarks/real_model.py zeroshot                 # every env x {think, action}: greedy episodes
     python benchmarks/real_model.py timing                   # every script x {plain, 4-bit}: one iteration
     python benchmarks/real_model.py sft-rl                   # SFT, then graphgpo.py for --rl-iterations
+    python benchmarks/real_model.py sft-rl --sft-checkpoint runs/real_model/smollm2_sft_sokoban  # RL only
     python benchmarks/real_model.py report                   # docs/real_model.md from the raw results
 
 Every stage appends one JSON object per measurement to docs/results/real_model.jsonl (the raw results;
@@ -328,13 +329,25 @@ def sft(args):
              "sft_examples": len(examples), "demo_episodes": recipe["demo_episodes"], "demo_stats": stats,
              "sft_seconds": round(sft_seconds, 1), "sft_loss_first": losses[0] if losses else None,
              "sft_loss_last10": sum(losses[-10:]) / max(1, len(losses[-10:])), "env_kwargs": env_kwargs}
+    (out / "sft_facts.json").write_text(json.dumps(facts, indent=2))  # read back by --sft-checkpoint
     del model, merged
     return out, facts
 
 
+def reuse_sft(path):
+    """An earlier `sft` checkpoint (`--sft-checkpoint`): its directory and the facts saved beside it."""
+    ckpt = Path(path)
+    if not (ckpt / "config.json").is_file():
+        raise SystemExit(f"--sft-checkpoint {ckpt}: no checkpoint there (expected <work-dir>/smollm2_sft_sokoban "
+                         "from an earlier sft-rl run)")
+    facts_file = ckpt / "sft_facts.json"
+    facts = json.loads(facts_file.read_text()) if facts_file.is_file() else {}
+    return ckpt, {**facts, "sft_checkpoint": str(ckpt), "sft_reused": True}
+
+
 def sft_rl(args):
     load0 = load_avg()
-    ckpt, facts = sft(args)
+    ckpt, facts = reuse_sft(args.sft_checkpoint) if args.sft_checkpoint else sft(args)
     out = Path(args.work_dir) / "sft_rl_runs"
     out.mkdir(parents=True, exist_ok=True)
     extra = ["--load-in-4bit", "False", "--num-iterations", str(args.rl_iterations),
@@ -386,15 +399,12 @@ def render_report(records) -> str:
              "last of each key is shown). How to read and rerun them: [the benchmark's docstring]"
              "(../benchmarks/real_model.py). Load average: the machine's 1-minute load while a row was "
              "measured (2 cores; above 2, other jobs shared the CPU and every time is inflated).", "",
-             "The committed rows: zero-shot on 2 tasks per env and at most 2 turns (`zeroshot --num-tasks 2 "
-             "--max-turns 2 --think-tokens 48 --action-tokens 16 --threads 1`, a loaded machine), and the timing "
-             "of all five scripts in fp32 and 4-bit (`timing --threads 1`, one torch thread while two other "
-             "benchmark runs shared the 2 cores: the load column; ARIA's update is near 0 s because every "
-             "zero-shot self-play turn was invalid, so every REINFORCE weight was 0 and nothing was "
-             "back-propagated). Still to do: the zero-shot defaults (8 tasks, the envs' own turn limits) and "
-             "`sft-rl`; the full run on an idle machine: `python "
-             "benchmarks/real_model.py zeroshot && python benchmarks/real_model.py timing && python "
-             "benchmarks/real_model.py sft-rl` (the new rows replace these).", ""]
+             "The committed rows: zero-shot with the defaults (`zeroshot --threads 1`: 4 test tasks per "
+             "env, at most 6 turns), the timing of all five scripts in fp32 and 4-bit (`timing --threads 1`, "
+             "an earlier session, one torch thread while two other benchmark runs shared the 2 cores: the load "
+             "column; ARIA's update is near 0 s because every zero-shot self-play turn was invalid, so every "
+             "REINFORCE weight was 0 and nothing was back-propagated), and `sft-rl --threads 2` with its "
+             "defaults. Each stage's command appends new rows; the report shows the last of each key.", ""]
     zs = latest(records, "zeroshot", lambda r: (r["env_id"], r["format"]))
     if zs:
         any_r = next(iter(zs.values()))
@@ -452,9 +462,14 @@ def render_report(records) -> str:
                   "RL on 2 CPU cores with the defaults).", ""]
     for r in sr.values():
         s = r["learning"]
-        lines += [f"SFT: {r['sft_steps']} steps x {r['sft_batch']} of {r['sft_examples']} demonstration turns "
+        last = (f"{r['sft_loss_last10']:.3f} (mean of the last 10 steps)" if r.get("sft_loss_last10") is not None
+                else f"{r.get('sft_loss_last', float('nan')):.3f} (last step)")
+        reused = (f" (an earlier run's checkpoint, `--sft-checkpoint`; {r['facts_source']})" if r.get("sft_reused")
+                  and r.get("facts_source") else " (an earlier run's checkpoint, `--sft-checkpoint`)"
+                  if r.get("sft_reused") else "")
+        lines += [f"SFT{reused}: {r['sft_steps']} steps x {r['sft_batch']} of {r['sft_examples']} demonstration turns "
                   f"({r['demo_episodes']} episodes), {r['sft_seconds']:.0f} s, loss {r['sft_loss_first']:.3f} -> "
-                  f"{r['sft_loss_last10']:.3f}; env options {r['env_kwargs']}. RL: `graphgpo.py {' '.join(r['rl_args'])}`, "
+                  f"{last}; env options {r['env_kwargs']}. RL: `graphgpo.py {' '.join(r['rl_args'])}`, "
                   f"{r['rl_train_seconds']:.0f} s of training, peak memory {r['rl_peak_rss_gb']:.2f} GB.", "",
                   "| metric | after SFT (before RL) | after RL | change |", "|---|---|---|---|",
                   f"| {s['metric']} | {s['before']:.3f} ± {s['before_se']:.3f} | {s['after']:.3f} ± {s['after_se']:.3f} | "
@@ -496,6 +511,8 @@ def main(argv=None):
                    help="plain and/or 4bit (default both)")
     s = p.add_argument_group("sft-rl")
     s.add_argument("--seed", type=int, default=1)
+    s.add_argument("--sft-checkpoint", default=None,
+                   help="skip SFT: run RL from this earlier SFT checkpoint (<work-dir>/smollm2_sft_sokoban)")
     s.add_argument("--sft-episodes", type=int, default=0, help="demonstration episodes (0: the recipe's 1500)")
     s.add_argument("--sft-steps", type=int, default=200,
                    help="SFT steps (40 taught the action format but not the game: 0 of 40 levels)")

@@ -87,3 +87,24 @@ def test_report_is_built_from_the_raw_records(bench, tmp_path):
     assert "Not run yet" not in text
     assert "| eval/success | 0.200 ± 0.057 | 0.300 ± 0.065 | +0.100 ± 0.086 |" in text
     assert "eval/invalid_rate: 0.100 -> 0.050" in text
+    # an RL-only rerun from an earlier SFT checkpoint whose log gave only the last step's loss
+    reused = dict(sft_rl, sft_loss_last10=None, sft_loss_last=0.161, sft_reused=True, facts_source="from its log")
+    with open(path, "a") as f:
+        f.write(json.dumps(reused) + "\n")
+    bench.main(["report", "--results", str(path), "--report-path", str(out), "--work-dir", str(tmp_path / "w")])
+    text = out.read_text()
+    assert "SFT (an earlier run's checkpoint, `--sft-checkpoint`; from its log)" in text
+    assert "loss 2.600 -> 0.161 (last step)" in text and "(mean of the last 10 steps)" not in text
+
+
+def test_sft_checkpoint_reuse_reads_its_facts_or_says_what_is_missing(bench, tmp_path):
+    with pytest.raises(SystemExit, match="--sft-checkpoint .*: no checkpoint there"):
+        bench.reuse_sft(tmp_path / "nothing")
+    ckpt = tmp_path / "smollm2_sft_sokoban"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    path, facts = bench.reuse_sft(ckpt)  # no facts file: the run still goes, marked as reused
+    assert path == ckpt and facts == {"sft_checkpoint": str(ckpt), "sft_reused": True}
+    (ckpt / "sft_facts.json").write_text(json.dumps({"sft_steps": 200, "sft_seconds": 2567.0}))
+    _, facts = bench.reuse_sft(ckpt)
+    assert facts["sft_steps"] == 200 and facts["sft_seconds"] == 2567.0 and facts["sft_reused"] is True
