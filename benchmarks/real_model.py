@@ -345,6 +345,17 @@ def reuse_sft(path):
     return ckpt, {**facts, "sft_checkpoint": str(ckpt), "sft_reused": True}
 
 
+def rl_signal(iterations, episodes_per_iteration):
+    """What the RL stage had to learn from, from its metrics rows: sampled training success, and in
+    how many iterations the credit was not all zero (mean |A| above 1e-6; below is float noise).
+    Without a solved episode a group's graph has no goal (every distance is 1), so only a return
+    that differs (an invalid action's penalty) moves it."""
+    return {"rl_episodes": episodes_per_iteration * len(iterations),
+            "rl_sampled_success": sum(r["charts/success"] for r in iterations) / max(1, len(iterations)),
+            "rl_nonzero_adv_iterations": sum(r.get("credit/adv_abs_mean", 0.0) > 1e-6 for r in iterations),
+            "rl_iterations": len(iterations)}
+
+
 def sft_rl(args):
     load0 = load_avg()
     ckpt, facts = reuse_sft(args.sft_checkpoint) if args.sft_checkpoint else sft(args)
@@ -369,12 +380,13 @@ def sft_rl(args):
     summary = json.loads((run_dir / "summary.json").read_text())
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     it = [r for r in rows if "perf/iteration_seconds" in r]
+    signal = rl_signal(it, args.rl_tasks * args.rl_group)
     rec = {"kind": "sft_rl", "model": MODEL, "script": "graphgpo.py", "env_id": SFT_ENV, **facts,
            "rl_args": extra, "rl_wall_seconds": round(time.time() - t0, 1),
            "rl_train_seconds": round(sum(r["perf/iteration_seconds"] for r in it), 1),
            "rl_peak_rss_gb": round(usage.ru_maxrss / 2 ** 20, 2), "learning": summary["learning"],
            "first_eval": summary["first_eval"], "last_eval": summary["last_eval"], "threads": args.threads,
-           "load_avg": max(load0, load_avg())}
+           "load_avg": max(load0, load_avg()), **signal}
     append(rec, args.results)
     s = summary["learning"]
     print(f"GraphGPO after SFT: {s['metric']} {s['before']:.3f} ± {s['before_se']:.3f} -> {s['after']:.3f} ± "
@@ -474,6 +486,10 @@ def render_report(records) -> str:
                   "| metric | after SFT (before RL) | after RL | change |", "|---|---|---|---|",
                   f"| {s['metric']} | {s['before']:.3f} ± {s['before_se']:.3f} | {s['after']:.3f} ± {s['after_se']:.3f} | "
                   f"{s['change']:+.3f} ± {s['change_se']:.3f} |", ""]
+        if "rl_episodes" in r:
+            lines.append(f"During RL: sampled success {r['rl_sampled_success']:.3f} over {r['rl_episodes']} "
+                         f"training episodes; credit not all zero in {r['rl_nonzero_adv_iterations']} of "
+                         f"{r['rl_iterations']} iterations.")
         for k in ("eval/success_greedy", "eval/invalid_rate"):
             if k in r["first_eval"]:
                 lines.append(f"{k}: {r['first_eval'][k]:.3f} -> {r['last_eval'][k]:.3f}")

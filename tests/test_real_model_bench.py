@@ -108,3 +108,10 @@ def test_sft_checkpoint_reuse_reads_its_facts_or_says_what_is_missing(bench, tmp
     (ckpt / "sft_facts.json").write_text(json.dumps({"sft_steps": 200, "sft_seconds": 2567.0}))
     _, facts = bench.reuse_sft(ckpt)
     assert facts["sft_steps"] == 200 and facts["sft_seconds"] == 2567.0 and facts["sft_reused"] is True
+
+
+def test_rl_signal_counts_iterations_whose_credit_is_not_float_noise(bench):
+    rows = [{"charts/success": 0.0, "credit/adv_abs_mean": 0.45}, {"charts/success": 0.0, "credit/adv_abs_mean": 3e-10},
+            {"charts/success": 0.25, "credit/adv_abs_mean": 0.0}, {"charts/success": 0.5}]
+    assert bench.rl_signal(rows, 8) == {"rl_episodes": 32, "rl_sampled_success": 0.1875,
+                                        "rl_nonzero_adv_iterations": 1, "rl_iterations": 4}
