@@ -235,10 +235,11 @@ def timing(args):
             rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
             it = [r for r in rows if "perf/update_seconds" in r][0]
             summary = json.loads((run_dir / "summary.json").read_text())
+            config = json.loads((run_dir / "config.json").read_text())
             learning = summary["learning"]
             perf = {k: v for k, v in it.items() if k.startswith("perf/")}
             rec = {"kind": "timing", "model": MODEL, "script": script, "four_bit": four_bit,
-                   "env_id": json.loads((run_dir / "config.json").read_text())["env_id"],
+                   "env_id": config["env_id"], "micro_batch_size": config.get("micro_batch_size"),
                    "perf": perf, "peak_rss_gb": round(rss, 2), "wall_seconds": round(wall, 1),
                    "eval_seconds": rows[0].get("perf/eval_seconds"), "zeroshot_metric": learning["metric"],
                    "zeroshot": learning["before"], "zeroshot_se": learning["before_se"],
@@ -254,10 +255,11 @@ def phases(rec):
     p = rec["perf"]
     rollout = p.get("perf/rollout_seconds", 0.0)
     update = p.get("perf/update_seconds", 0.0) + p.get("perf/old_logprob_seconds", 0.0)
-    if "perf/credit_seconds" in p:
-        credit = p["perf/credit_seconds"]
-    else:  # iStar: the PRM update and its step rewards; ARIA: embedding + clustering; EPO: the PRM
-        credit = sum(p.get(f"perf/{k}_seconds", 0.0) for k in ("prm", "embed", "cluster"))
+    # credit: the kernel (credit_seconds; ARIA's includes its clustering) plus the model work that
+    # feeds it: iStar's PRM scoring and update, ARIA's utterance embeddings. Rows from before the
+    # scripts logged credit_seconds have ARIA's clustering separately.
+    credit = (p.get("perf/credit_seconds", p.get("perf/cluster_seconds", 0.0))
+              + p.get("perf/prm_seconds", 0.0) + p.get("perf/embed_seconds", 0.0))
     total = p.get("perf/iteration_seconds", rollout + credit + update)
     return {"rollout": round(rollout, 1), "credit": round(credit, 1), "update": round(update, 1),
             "iteration": round(total, 1)}
@@ -412,11 +414,10 @@ def render_report(records) -> str:
              "(../benchmarks/real_model.py). Load average: the machine's 1-minute load while a row was "
              "measured (2 cores; above 2, other jobs shared the CPU and every time is inflated).", "",
              "The committed rows: zero-shot with the defaults (`zeroshot --threads 1`: 4 test tasks per "
-             "env, at most 6 turns), the timing of all five scripts in fp32 and 4-bit (`timing --threads 1`, "
-             "an earlier session, one torch thread while two other benchmark runs shared the 2 cores: the load "
-             "column; ARIA's update is near 0 s because every zero-shot self-play turn was invalid, so every "
-             "REINFORCE weight was 0 and nothing was back-propagated), and `sft-rl --threads 2` with its "
-             "defaults. Each stage's command appends new rows; the report shows the last of each key.", ""]
+             "env, at most 6 turns), the timing of all five scripts in fp32 and 4-bit (`timing --threads 2`, "
+             "nothing else running: load 1.5-2.0; ARIA's update is near 0 s because every zero-shot "
+             "self-play turn was invalid, so every REINFORCE weight was 0 and nothing was back-propagated), "
+             "and `sft-rl --threads 2` with its defaults. Each stage's command appends new rows; the report shows the last of each key.", ""]
     zs = latest(records, "zeroshot", lambda r: (r["env_id"], r["format"]))
     if zs:
         any_r = next(iter(zs.values()))
@@ -452,19 +453,21 @@ def render_report(records) -> str:
         lines += ["## One iteration of each script, plain and 4-bit", "",
                   f"Each script on its default env, one iteration with `{' '.join(TIMING_COMMON)}` and the "
                   f"per-script arguments in `TIMING_ARGS`; {any_r['threads']} torch threads. Seconds from the "
-                  "script's own `perf/` metrics (update includes the old-policy log-probs; credit: GraphGPO's "
-                  "graph, iStar's PRM update, ΔBelief's belief gains, ARIA's embedding and clustering, EPO's "
-                  "PRM); tokens/s: generated tokens per rollout second; peak memory: the process's maximum "
-                  "resident set; zero-shot: the script's first evaluation of its main metric.", "",
+                  "script's own `perf/` metrics (update includes the old-policy log-probs; credit: the credit "
+                  "kernel and the model work that feeds it: GraphGPO's graph, iStar's PRM scoring and DPO step, "
+                  "ARIA's embeddings and clustering, EPO's PRM; ΔBelief reads its beliefs during the rollout, "
+                  "so they count there); tokens/s: generated tokens per rollout second; peak memory: the process's maximum "
+                  "resident set; turns/forward: the run's `--micro-batch-size` (its PRESETS value; – where the "
+                  "row predates the record); zero-shot: the script's first evaluation of its main metric.", "",
                   "| script | env | weights | rollout s | credit s | update s | iteration s | tokens/s | "
-                  "peak memory GB | eval s | zero-shot ± SE | load avg |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "peak memory GB | turns/forward | eval s | zero-shot ± SE | load avg |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for (script, fb), r in sorted(tm.items(), key=lambda kv: (SCRIPTS.index(kv[0][0]), kv[0][1])):
             ph = phases(r)
             lines.append(f"| {script} | {r['env_id']} | {'4-bit nf4' if fb else 'fp32'} | {ph['rollout']} | "
                          f"{ph['credit']} | {ph['update']} | {ph['iteration']} | "
                          f"{r['perf'].get('perf/tokens_per_second', float('nan')):.1f} | {r['peak_rss_gb']:.2f} | "
-                         f"{(r.get('eval_seconds') or 0):.0f} | {r['zeroshot_metric']} {r['zeroshot']:.3f} ± "
+                         f"{r.get('micro_batch_size') or '–'} | {(r.get('eval_seconds') or 0):.0f} | {r['zeroshot_metric']} {r['zeroshot']:.3f} ± "
                          f"{r['zeroshot_se']:.3f} | {r['load_avg']:.1f} |")
         lines.append("")
     sr = latest(records, "sft_rl", lambda r: r["script"])

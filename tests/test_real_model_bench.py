@@ -47,6 +47,12 @@ def test_phases_split_each_scripts_perf_metrics(bench):
     # ARIA (embedding + clustering) and EPO (PRM) log no iteration total: the sum of the phases
     assert bench.phases(rec({"rollout": 2.0, "embed": 0.25, "cluster": 0.25, "update": 1.0})) == \
         {"rollout": 2.0, "credit": 0.5, "update": 1.0, "iteration": 3.5}
+    # today's rows: every script logs its kernel as credit (ARIA's clustering inside it), and iStar's
+    # PRM and ARIA's embeddings beside it
+    assert bench.phases(rec({"rollout": 3.0, "old_logprob": 1.0, "prm": 2.0, "credit": 0.5, "update": 4.0,
+                             "iteration": 10.5})) == {"rollout": 3.0, "credit": 2.5, "update": 5.0, "iteration": 10.5}
+    assert bench.phases(rec({"rollout": 2.0, "embed": 0.3, "cluster": 0.25, "credit": 0.5, "update": 1.0,
+                             "iteration": 3.8})) == {"rollout": 2.0, "credit": 0.8, "update": 1.0, "iteration": 3.8}
 
 
 def test_report_is_built_from_the_raw_records(bench, tmp_path):
@@ -59,6 +65,7 @@ def test_report_is_built_from_the_raw_records(bench, tmp_path):
                   peak_rss_gb=2.5, wall_seconds=200.0, eval_seconds=40.0, zeroshot_metric="eval/success",
                   zeroshot=0.0, zeroshot_se=0.0, invalid_rate=1.0, threads=2, args=[], load_avg=2.0)
     records = [dict(zs, env_id="sokoban", format="think", success=0.5, success_se=0.1),
+               dict(timing, script="istar.py", micro_batch_size=8),  # newer rows record the micro-batch
                dict(zs, env_id="sokoban", format="think", success=0.125, success_se=0.125),  # a rerun: shown
                dict(zs, env_id="sokoban", format="action", success=0.0, success_se=0.0), timing]
     path = tmp_path / "r.jsonl"
@@ -69,7 +76,8 @@ def test_report_is_built_from_the_raw_records(bench, tmp_path):
     assert "| sokoban | think | 0.125 ± 0.125 | 0.90 | 0.50 |" in text and "0.500 ± 0.100" not in text
     assert "| sokoban | action | 0.000 ± 0.000 |" in text
     assert text.index("| sokoban | think |") < text.index("| sokoban | action |")
-    assert "| graphgpo.py | sokoban | 4-bit nf4 | 30.0 | 0.0 | 60.0 | 90.1 | 12.5 | 2.50 | 40 | eval/success 0.000 ± 0.000 | 2.0 |" in text
+    assert "| graphgpo.py | sokoban | 4-bit nf4 | 30.0 | 0.0 | 60.0 | 90.1 | 12.5 | 2.50 | – | 40 | eval/success 0.000 ± 0.000 | 2.0 |" in text
+    assert "| istar.py | sokoban | 4-bit nf4 | 30.0 | 0.0 | 60.0 | 90.1 | 12.5 | 2.50 | 8 | 40 |" in text
     assert "Not run yet: `python benchmarks/real_model.py sft-rl`" in text
     # an SFT + RL record replaces the placeholder with its before/after row
     learning = {"metric": "eval/success", "before": 0.2, "before_se": 0.057, "after": 0.3, "after_se": 0.065,
