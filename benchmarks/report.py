@@ -82,7 +82,8 @@ class Table:
 TABLES = [
     Table("graphgpo", "docs/graphgpo.md", "graphgpo",
           {"graphgpo": ("GraphGPO", ""), "grpo": ("GRPO", "--step-advantage none"),
-           "gigpo": ("GiGPO", "--step-advantage gigpo")}, method="graphgpo", baselines=("grpo", "gigpo")),
+           "gigpo": ("GiGPO", "--step-advantage gigpo")}, method="graphgpo", baselines=("grpo", "gigpo"),
+          seeds=(4, 5, 6, 7, 8, 9, 10, 11)),
     Table("istar", "docs/istar.md", "istar",
           {"istar": ("iStar (RLOO)", ""), "rloo": ("RLOO", "--alpha 0")}, method="istar", baselines=("rloo",)),
     Table("delta_belief", "docs/delta_belief.md", "delta_belief",
