@@ -1053,8 +1053,8 @@ def check_args(args):
     rules = [
         (args.group_size >= 2,
          "--group-size must be >= 2 (advantages compare the trajectories of a task)"),
-        (min(args.tasks_per_iteration, args.micro_batch_size or 1) >= 1
-         and args.num_iterations >= 0,
+        (args.tasks_per_iteration >= 1 and args.num_iterations >= 0
+         and (args.micro_batch_size is None or args.micro_batch_size >= 1),  # None: by model
          "--tasks-per-iteration and --micro-batch-size must be >= 1, --num-iterations >= 0"),
         (args.history is None or args.history >= 0,
          f"--history must be >= 0 (or None), got {args.history}"),

@@ -463,6 +463,16 @@ def test_bad_prm_options_are_user_errors(flag):
         check_args(Args(**flag))
 
 
+def test_zero_micro_batch_is_a_user_error_before_and_after_resolving():
+    """None (by model) passes before the presets fill it in; 0 never does (it would reach range())."""
+    from common.models import UserError
+    from istar import check_args
+
+    check_args(Args())
+    with pytest.raises(UserError, match="--micro-batch-size must be >= 1"):
+        check_args(Args(micro_batch_size=0))
+
+
 @pytest.mark.parametrize("is_tiny", [True, False])
 def test_prm_defaults_resolve_by_model(is_tiny):
     """PRM lr and replay left at None: the tiny policy's tuned setting (docs/istar.md, "PRM settings on the tiny
