@@ -417,7 +417,8 @@ def render_report(records) -> str:
              "env, at most 6 turns), the timing of all five scripts in fp32 and 4-bit (`timing --threads 2`, "
              "nothing else running: load 1.5-2.0; ARIA's update is near 0 s because every zero-shot "
              "self-play turn was invalid, so every REINFORCE weight was 0 and nothing was back-propagated), "
-             "and `sft-rl --threads 2` with its defaults. Each stage's command appends new rows; the report shows the last of each key.", ""]
+             "and `sft-rl --threads 2` with its defaults. Each stage's command appends new rows; the "
+             "report shows the last of each key.", ""]
     zs = latest(records, "zeroshot", lambda r: (r["env_id"], r["format"]))
     if zs:
         any_r = next(iter(zs.values()))
@@ -456,8 +457,8 @@ def render_report(records) -> str:
                   "script's own `perf/` metrics (update includes the old-policy log-probs; credit: the credit "
                   "kernel and the model work that feeds it: GraphGPO's graph, iStar's PRM scoring and DPO step, "
                   "ARIA's embeddings and clustering, EPO's PRM; ΔBelief reads its beliefs during the rollout, "
-                  "so they count there); tokens/s: generated tokens per rollout second; peak memory: the process's maximum "
-                  "resident set; turns/forward: the run's `--micro-batch-size` (its PRESETS value; – where the "
+                  "so they count there); tokens/s: generated tokens per rollout second; peak memory: the "
+                  "process's maximum resident set; turns/forward: the run's `--micro-batch-size` (its PRESETS value; – where the "
                   "row predates the record); zero-shot: the script's first evaluation of its main metric.", "",
                   "| script | env | weights | rollout s | credit s | update s | iteration s | tokens/s | "
                   "peak memory GB | turns/forward | eval s | zero-shot ± SE | load avg |",
@@ -467,8 +468,8 @@ def render_report(records) -> str:
             lines.append(f"| {script} | {r['env_id']} | {'4-bit nf4' if fb else 'fp32'} | {ph['rollout']} | "
                          f"{ph['credit']} | {ph['update']} | {ph['iteration']} | "
                          f"{r['perf'].get('perf/tokens_per_second', float('nan')):.1f} | {r['peak_rss_gb']:.2f} | "
-                         f"{r.get('micro_batch_size') or '–'} | {(r.get('eval_seconds') or 0):.0f} | {r['zeroshot_metric']} {r['zeroshot']:.3f} ± "
-                         f"{r['zeroshot_se']:.3f} | {r['load_avg']:.1f} |")
+                         f"{r.get('micro_batch_size') or '–'} | {(r.get('eval_seconds') or 0):.0f} | "
+                         f"{r['zeroshot_metric']} {r['zeroshot']:.3f} ± {r['zeroshot_se']:.3f} | {r['load_avg']:.1f} |")
         lines.append("")
     sr = latest(records, "sft_rl", lambda r: r["script"])
     lines += ["## GraphGPO on Sokoban after SFT", ""]
@@ -479,9 +480,10 @@ def render_report(records) -> str:
         s = r["learning"]
         last = (f"{r['sft_loss_last10']:.3f} (mean of the last 10 steps)" if r.get("sft_loss_last10") is not None
                 else f"{r.get('sft_loss_last', float('nan')):.3f} (last step)")
-        reused = (f" (an earlier run's checkpoint, `--sft-checkpoint`; {r['facts_source']})" if r.get("sft_reused")
-                  and r.get("facts_source") else " (an earlier run's checkpoint, `--sft-checkpoint`)"
-                  if r.get("sft_reused") else "")
+        reused = ""
+        if r.get("sft_reused"):
+            source = f"; {r['facts_source']}" if r.get("facts_source") else ""
+            reused = f" (an earlier run's checkpoint, `--sft-checkpoint`{source})"
         lines += [f"SFT{reused}: {r['sft_steps']} steps x {r['sft_batch']} of {r['sft_examples']} demonstration turns "
                   f"({r['demo_episodes']} episodes), {r['sft_seconds']:.0f} s, loss {r['sft_loss_first']:.3f} -> "
                   f"{last}; env options {r['env_kwargs']}. RL: `graphgpo.py {' '.join(r['rl_args'])}`, "
@@ -546,7 +548,8 @@ def main(argv=None):
     s.add_argument("--rl-max-new-tokens", type=int, default=10, help="`<action>right</action>` + EOS is 8 tokens")
     s.add_argument("--rl-lr", type=float, default=5e-5)
     s.add_argument("--rl-micro-batch", type=int, default=8,
-                   help="turns per forward pass (64 needed over 16 GB on a CPU)")
+                   help="turns per forward pass (64 needed over 16 GB on a CPU); passed explicitly because "
+                        "the checkpoint's tiny_meta.json makes graphgpo.py take the tiny preset (64)")
     s.add_argument("--eval-num-tasks", type=int, default=40, help="test tasks of the before/after evaluation")
     args = p.parse_args(argv)
     Path(args.work_dir).mkdir(parents=True, exist_ok=True)
