@@ -1,24 +1,39 @@
-"""GPU check of the model path every method uses (common/models.py): 4-bit nf4 + LoRA on CUDA at real size.
+"""GPU check of the model path every method uses (common/models.py), at real sizes: 4-bit nf4 + LoRA on CUDA,
+and all five scripts on it.
 
-No weights can be downloaded on the machines this project is developed on, so the model is a randomly
-initialised causal LM with the configuration of a real one (Qwen2.5-0.5B by default: 24 layers,
-hidden 896, 14 heads / 2 KV heads, FFN 4864, vocabulary 151,936, about 494M parameters). Random
-weights do not change memory or speed: only the shapes do. Generation is forced to its full length
-(`min_new_tokens`), the worst case of a rollout.
+Stages (default: all three, in this order, for each `--configs` entry):
+- `step`: load through `common.models.load_policy`, a batched sampled `generate` forced to its full length
+  (`min_new_tokens`: the worst case of a rollout; tokens per second), one training step on the LoRA
+  (forward with `logits_to_keep`, backward, AdamW: seconds and peak memory), and checks that only LoRA
+  parameters get gradients, that they are finite, and that `disable_adapter()` gives the base model's
+  logits after the step. On CUDA: 4-bit, 4-bit with activation checkpointing, and bf16.
+- `scripts`: each of the five scripts as a subprocess, 4-bit, one iteration on its default env with the
+  budget of `benchmarks/real_model.py timing` (`TIMING_COMMON` + `TIMING_ARGS`), so that its rows compare
+  with the CPU rows of docs/real_model.md; seconds per phase, tokens per second and peak GPU memory are
+  the script's own `perf/` metrics.
+- `report`: docs/gpu.md from the raw results (docs/results/gpu.jsonl; the last record of each key).
 
-For each setting it measures: load time, GPU memory after loading, trainable parameters, a batched
-sampled `generate` (tokens per second), one training step on the LoRA (forward with `logits_to_keep`,
-backward, AdamW step: time and peak memory), and checks that only LoRA parameters get gradients, that
-they are finite and nonzero, and that `disable_adapter()` gives the base model's logits after training.
+The models are randomly initialised with the configuration of a real one (`CONFIGS`, copied from the
+published config.json files) and SmolLM2-135M-Instruct's tokenizer and chat template (`--tokenizer`, by
+default the packaged model's directory, see `python -m common.models`). Random weights change neither
+memory nor the speed of a forward pass, only what is generated: a random model almost never samples its
+end-of-sequence token, so every completion runs to `--max-new-tokens` (the longest rollout the budget
+allows) and every action is invalid (so credit and update see the same batch shapes as a trained
+policy's, while reward-dependent work such as GraphGPO's goal distances is trivial). For the Qwen
+configurations the embedding keeps Qwen's vocabulary size; sampled ids beyond SmolLM2's 49,152 tokens
+decode to nothing.
 
-    python benchmarks/gpu_check.py                      # writes docs/gpu_check.md
-    python benchmarks/gpu_check.py --config qwen2.5-1.5b --out docs/gpu_check_1.5b.md
+    python benchmarks/gpu_check.py                                   # every stage, smollm2-135m and qwen2.5-1.5b
+    python benchmarks/gpu_check.py --stages step --configs qwen2.5-7b
+    python benchmarks/gpu_check.py --stages report                   # docs/gpu.md from the raw results
+    python benchmarks/gpu_check.py --configs test --device cpu       # a quick run of the whole script on a CPU
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -28,34 +43,50 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
+RESULTS = REPO / "docs" / "results" / "gpu.jsonl"
+REPORT = REPO / "docs" / "gpu.md"
 CONFIGS = {
-    # Published configurations (config.json of the hub checkpoints).
-    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    # For a quick run of this script on a CPU.
-    "test": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=2048, tie_word_embeddings=True),
+    # Published configurations (config.json of the hub checkpoints); the first entry is the model type.
+    "smollm2-135m": ("llama", dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                   num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152,
+                                   tie_word_embeddings=True, rms_norm_eps=1e-5, max_position_embeddings=8192,
+                                   rope_parameters={"rope_type": "default", "rope_theta": 100000.0})),
+    "qwen2.5-0.5b": ("qwen2", dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                                   num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)),
+    "qwen2.5-1.5b": ("qwen2", dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                                   num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)),
+    "qwen2.5-7b": ("qwen2", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                                 num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)),
+    # For a quick run of this script on a CPU (the vocabulary of the tokenizer it borrows).
+    "test": ("llama", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=49152, tie_word_embeddings=True)),
 }
+STEP_SETTINGS = {"cuda": [(True, False), (True, True), (False, False)], "cpu": [(False, False)]}
 
 
-def build_random_model(name: str, out: Path) -> dict:
-    """Save a randomly initialised Qwen2 model of configuration `name` with a small chat tokenizer."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def build_random_model(name: str, out: Path, tokenizer_dir: Path, device: str) -> dict:
+    """Save a randomly initialised model of configuration `name` (bf16) with the tokenizer of `tokenizer_dir`."""
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM, AutoTokenizer
 
-    from common import tiny
-
-    texts = [f"<|im_start|>user\nmove {i} up down left right<|im_end|>\n" for i in range(200)]
-    tok = tiny.train_tokenizer(texts, vocab_size=300, min_frequency=1)
-    cfg = Qwen2Config(**CONFIGS[name], max_position_embeddings=4096, bos_token_id=None,
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model_type, kwargs = CONFIGS[name]
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    cfg = CONFIG_MAPPING[model_type](**{**kwargs, "vocab_size": max(kwargs["vocab_size"], len(tok))},
+                                     bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                     pad_token_id=tok.pad_token_id)
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    t0 = time.time()
+    with torch.device(device):  # initialised where it runs: seconds on a GPU even at 7B
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.save_pretrained(out)
     tok.save_pretrained(out)
-    return dict(parameters=sum(p.numel() for p in model.parameters()))
+    info = dict(parameters=sum(p.numel() for p in model.parameters()), model_type=model_type,
+                build_s=round(time.time() - t0, 1))
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return info
 
 
 def sync():
@@ -148,52 +179,207 @@ def check(path: Path, load_in_4bit: bool, activation_checkpointing: bool, batch:
     return row
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default="qwen2.5-0.5b", choices=sorted(CONFIGS))
-    ap.add_argument("--batch", type=int, default=32, help="sequences per generate call and per training step")
-    ap.add_argument("--prompt-len", type=int, default=512)
-    ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-    ap.add_argument("--out", default=str(REPO / "docs" / "gpu_check.md"))
-    args = ap.parse_args()
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    settings = [(True, False), (True, True), (False, False)] if device == "cuda" else [(False, False)]
-    with tempfile.TemporaryDirectory() as tmp:
-        info = build_random_model(args.config, Path(tmp))
-        rows = []
-        for q, ac in settings:
-            print(f"load_in_4bit={q} activation_checkpointing={ac} ...", flush=True)
-            rows.append(check(Path(tmp), q, ac, args.batch, args.prompt_len, args.new_tokens, device))
-            print(json.dumps(rows[-1]), flush=True)
+def environment() -> dict:
+    """The card and the library versions every record carries."""
     import bitsandbytes
     import peft
     import transformers
 
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
-    lines = [
-        f"# GPU check: {args.config} (random weights), 4-bit LoRA path of common/models.py", "",
-        f"Command: `python benchmarks/gpu_check.py --config {args.config} --batch {args.batch} "
-        f"--prompt-len {args.prompt_len} --new-tokens {args.new_tokens}`", "",
-        f"Device: {gpu}; torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}, "
-        f"bitsandbytes {bitsandbytes.__version__}; measured {time.strftime('%Y-%m-%d', time.gmtime())}. "
-        f"Model: {info['parameters'] / 1e6:.0f}M parameters, LoRA r16 alpha 32 on all linear layers. "
-        f"Generation: {args.batch} sequences x {args.new_tokens} new tokens after {args.prompt_len}-token prompts, "
-        f"sampled (temperature 1, top_k 0). Training step: the same {args.batch} sequences, loss on the last "
-        f"{args.new_tokens} tokens, one AdamW step (the second of two steps is timed).", "",
-        "| 4-bit | act. ckpt | load s | GiB after load | trainable | generate tok/s | train step s | peak GiB (train) "
-        "| only LoRA trainable | LoRA grads finite | frozen without grad | adapter changes logits | disable_adapter = base (max abs diff) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['load_in_4bit']} | {r['activation_checkpointing']} | {r['load_s']} | {r['mem_after_load_gib']} "
-            f"| {r['trainable_parameters'] / 1e6:.2f}M | {r['generate_tokens_per_s']} | {r['train_step_s']} "
-            f"| {r['train_peak_gib']} | {r['only_lora_trainable']} | {r['lora_grads_finite']} | {r['frozen_without_grad']} "
-            f"| {r['adapter_changes_logits']} | {r['disable_adapter_max_abs_diff_to_base']:.2e} |")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text("\n".join(lines) + "\n")
-    print(f"wrote {args.out}")
+    return dict(device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+                gpu_memory_gib=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+                if torch.cuda.is_available() else None,
+                torch=torch.__version__, cuda=torch.version.cuda, transformers=transformers.__version__,
+                peft=peft.__version__, bitsandbytes=bitsandbytes.__version__)
+
+
+def append(record: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps({**record, "time": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
+
+
+def stage_step(config, model_dir, info, env, args):
+    for q, ac in STEP_SETTINGS["cuda" if args.device == "cuda" else "cpu"]:
+        print(f"[step] {config}: load_in_4bit={q} activation_checkpointing={ac} ...", flush=True)
+        row = check(model_dir, q, ac, args.batch, args.prompt_len, args.new_tokens, args.device)
+        append({"kind": "step", "config": config, **info, **env, "batch": args.batch, "prompt_len": args.prompt_len,
+                "new_tokens": args.new_tokens, **row}, Path(args.results))
+        print(json.dumps(row), flush=True)
+
+
+def stage_scripts(config, model_dir, info, env, args, deadline):
+    import real_model
+
+    four_bit = args.device == "cuda"
+    for script in args.scripts:
+        if time.time() > deadline:
+            print(f"[scripts] {config}: --time-budget spent, {script} and the rest not run", flush=True)
+            return
+        out = Path(args.work_dir) / f"{config}_{script[:-3]}"
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        extra = ["--load-in-4bit", str(four_bit), *real_model.TIMING_COMMON, *real_model.TIMING_ARGS[script]]
+        print(f"[scripts] {config}: {script} ...", flush=True)
+        rc, wall, rss, run_dir, cmd = real_model.run_script(script, extra, out, args.threads, out / "log.txt",
+                                                            model=model_dir)
+        rec = {"kind": "script", "config": config, **info, **env, "script": script, "four_bit": four_bit,
+               "args": extra, "threads": args.threads, "wall_seconds": round(wall, 1), "peak_rss_gb": round(rss, 2)}
+        metrics = (run_dir / "metrics.jsonl") if run_dir else None
+        if rc != 0 or metrics is None or not metrics.is_file():
+            rec.update(failed=True, exit_code=rc, log_tail=(out / "log.txt").read_text()[-1500:])
+            append(rec, Path(args.results))
+            print(f"{script} failed (exit {rc}):\n{rec['log_tail']}", flush=True)
+            continue
+        rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+        it = [r for r in rows if "perf/update_seconds" in r][0]
+        config_json = json.loads((run_dir / "config.json").read_text())
+        rec.update(env_id=config_json["env_id"], micro_batch_size=config_json.get("micro_batch_size"),
+                   perf={k: v for k, v in it.items() if k.startswith("perf/")},
+                   eval_seconds=rows[0].get("perf/eval_seconds"), invalid_rate=it.get("charts/invalid_rate"))
+        append(rec, Path(args.results))
+        print(f"{script:16s} {json.dumps(real_model.phases(rec))} tokens/s "
+              f"{rec['perf'].get('perf/tokens_per_second', float('nan')):.1f} GPU peak "
+              f"{rec['perf'].get('perf/peak_memory_gb', float('nan')):.2f} GiB, {wall:.0f} s", flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Report
+# ----------------------------------------------------------------------------------------------
+def cpu_iteration_seconds() -> dict:
+    """The 4-bit CPU rows of docs/real_model.md (real SmolLM2 weights, same budget): script -> (iteration s, load)."""
+    import real_model
+
+    path = real_model.RESULTS
+    if not path.is_file():
+        return {}
+    records = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    rows = real_model.latest(records, "timing", lambda r: (r["script"], r["four_bit"]))
+    return {s: real_model.phases(r)["iteration"] for (s, fb), r in rows.items() if fb}
+
+
+def render_report(records) -> str:
+    import real_model
+
+    lines = ["# The 4-bit LoRA path on a GPU", "",
+             "Generated by `python benchmarks/gpu_check.py --stages report` from the raw results in "
+             "[results/gpu.jsonl](results/gpu.jsonl) (one JSON object per measurement; the last of each key is "
+             "shown). What each stage measures and why the weights are random: [the script's docstring]"
+             "(../benchmarks/gpu_check.py).", ""]
+    if not records:
+        return "\n".join(lines + ["Not run on a GPU yet: `python benchmarks/gpu_check.py` on a CUDA machine.", ""])
+    envs_seen = sorted({(r["device"], r["torch"], r.get("cuda"), r["transformers"], r["peft"], r["bitsandbytes"])
+                        for r in records})
+    for dev, tv, cu, trf, pft, bnb in envs_seen:
+        lines.append(f"- Device: **{dev}**; torch {tv} (CUDA {cu}), transformers {trf}, peft {pft}, bitsandbytes {bnb}.")
+    lines.append(f"- Measured {min(r['time'] for r in records)[:10]}; models randomly initialised with the "
+                 "configuration of the named model and SmolLM2's tokenizer (see the docstring for what that changes).")
+    lines.append("")
+    steps = real_model.latest(records, "step", lambda r: (r["config"], r["load_in_4bit"], r["activation_checkpointing"]))
+    if steps:
+        r0 = next(iter(steps.values()))
+        lines += ["## One LoRA step at real size (`--stages step`)", "",
+                  f"Generation: {r0['batch']} sequences x {r0['new_tokens']} new tokens after {r0['prompt_len']}-token "
+                  "prompts, sampled at temperature 1, forced to full length. Training step: the same sequences, loss "
+                  "on the new tokens, one AdamW step on the LoRA (r 16, alpha 32, all linear layers; the second of "
+                  "two steps is timed). Memory: PyTorch's allocated GiB after loading, and its peak during the step.",
+                  "", "| model | parameters | weights | act. ckpt | load s | GiB after load | trainable | "
+                  "generate tok/s | ms per decoding step | train step s | peak GiB (train) | only LoRA trainable | "
+                  "LoRA grads finite | frozen without grad | disable_adapter = base (max abs diff) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for (cfg, q, ac), r in steps.items():
+            lines.append(
+                f"| {cfg} | {r['parameters'] / 1e6:.0f}M | {'4-bit nf4' if q else 'bf16'} | {ac} | {r['load_s']} | "
+                f"{r['mem_after_load_gib']} | {r['trainable_parameters'] / 1e6:.2f}M | {r['generate_tokens_per_s']} | "
+                f"{1000 * r['generate_s'] / r['new_tokens']:.0f} | "
+                f"{r['train_step_s']} | {r['train_peak_gib']} | {r['only_lora_trainable']} | {r['lora_grads_finite']} | "
+                f"{r['frozen_without_grad']} | {r['disable_adapter_max_abs_diff_to_base']:.2e} |")
+        lines.append("")
+    scripts = real_model.latest(records, "script", lambda r: (r["config"], r["script"]))
+    if scripts:
+        cpu = cpu_iteration_seconds()
+        r0 = next(iter(scripts.values()))
+        lines += ["## One iteration of each script, 4-bit (`--stages scripts`)", "",
+                  f"Each script on its default env with the budget of `benchmarks/real_model.py timing` "
+                  f"(`{' '.join(real_model.TIMING_COMMON)}` and its `TIMING_ARGS`), {r0['threads']} torch threads, "
+                  "4-bit nf4 with bf16 compute (the CUDA default). Seconds per phase as in docs/real_model.md "
+                  "(update includes the old-policy log-probs; credit includes iStar's PRM and ARIA's embeddings); "
+                  "tokens/s: generated tokens per rollout second; GPU peak: PyTorch's peak allocated memory in the "
+                  "run; wall: the whole process (imports, loading, one iteration, evaluations). CPU 4-bit: the same "
+                  "budget on 2 CPU cores with the real SmolLM2 weights (docs/real_model.md), for scale only (its "
+                  "completions stop at the model's end of sequence, these run to the limit).", "",
+                  "| model | script | env | rollout s | credit s | update s | iteration s | tokens/s | GPU peak GiB "
+                  "| eval s | wall s | CPU 4-bit iteration s (SmolLM2) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for (cfg, script), r in scripts.items():
+            if r.get("failed"):
+                first = r["log_tail"].strip().splitlines()[-1] if r["log_tail"].strip() else "no output"
+                lines.append(f"| {cfg} | {script} | failed (exit {r['exit_code']}): {first[:160]} ||||||||||")
+                continue
+            ph = real_model.phases(r)
+            p = r["perf"]
+            lines.append(f"| {cfg} | {script} | {r['env_id']} | {ph['rollout']} | {ph['credit']} | {ph['update']} | "
+                         f"{ph['iteration']} | {p.get('perf/tokens_per_second', float('nan')):.1f} | "
+                         f"{p.get('perf/peak_memory_gb', float('nan')):.2f} | {(r.get('eval_seconds') or 0):.1f} | "
+                         f"{r['wall_seconds']:.0f} | {cpu.get(script, '–')} |")
+        lines += ["", "In the four scripts that parse actions, every action of a random model is invalid (invalid "
+                  "rate 1.0 in each row), so every trajectory fails: ARIA's REINFORCE weights are all 0 and it "
+                  "back-propagates nothing (update 0 s, as in its zero-shot CPU row), and the credit kernels see "
+                  "ties everywhere. In EPO's Negotiation the frozen agent's text is an utterance, never invalid. "
+                  "Rollout seconds are the longest the budget allows (completions run to the token limit)."]
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--stages", nargs="+", default=["step", "scripts", "report"], choices=["step", "scripts", "report"])
+    ap.add_argument("--configs", nargs="+", default=["smollm2-135m", "qwen2.5-1.5b"], choices=sorted(CONFIGS))
+    ap.add_argument("--tokenizer", default=None,
+                    help="a directory with SmolLM2's tokenizer (default: the packaged smollm2-135m, fetched once)")
+    ap.add_argument("--scripts", nargs="+", default=None, help="default: all five")
+    ap.add_argument("--batch", type=int, default=32, help="step: sequences per generate call and per training step")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=4, help="scripts: torch threads of each subprocess")
+    ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    ap.add_argument("--time-budget", type=float, default=0,
+                    help="seconds after which no new model or script is started (0: no limit)")
+    ap.add_argument("--work-dir", default="runs/gpu_check", help="the scripts' run directories")
+    ap.add_argument("--results", default=str(RESULTS), help="raw results, JSON lines (appended)")
+    ap.add_argument("--report-path", default=str(REPORT))
+    args = ap.parse_args(argv)
+    import real_model
+
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is visible to torch")
+    args.scripts = args.scripts or list(real_model.SCRIPTS)
+    unknown = sorted(set(args.scripts) - set(real_model.SCRIPTS))
+    if unknown:
+        raise SystemExit(f"--scripts: unknown {unknown}; choose from {list(real_model.SCRIPTS)}")
+    deadline = time.time() + args.time_budget if args.time_budget > 0 else float("inf")
+    if {"step", "scripts"} & set(args.stages):
+        if args.tokenizer is None:
+            from common.models import ensure_packaged_model
+
+            args.tokenizer = str(ensure_packaged_model("smollm2-135m"))
+        env = environment()
+        print(json.dumps(env), flush=True)
+        for config in args.configs:
+            if time.time() > deadline:
+                print(f"--time-budget spent: {config} not run", flush=True)
+                break
+            with tempfile.TemporaryDirectory() as tmp:
+                info = build_random_model(config, Path(tmp), Path(args.tokenizer), args.device)
+                print(f"{config}: {info}", flush=True)
+                if "step" in args.stages:
+                    stage_step(config, Path(tmp), info, env, args)
+                if "scripts" in args.stages:
+                    stage_scripts(config, Path(tmp), info, env, args, deadline)
+    if "report" in args.stages:
+        path = Path(args.results)
+        records = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
+        Path(args.report_path).write_text(render_report(records))
+        print(f"wrote {args.report_path} from {len(records)} records")
 
 
 if __name__ == "__main__":

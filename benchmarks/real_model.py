@@ -207,9 +207,9 @@ def zeroshot(args):
 # ----------------------------------------------------------------------------------------------
 # Timing
 # ----------------------------------------------------------------------------------------------
-def run_script(script, extra, out_dir, threads, log):
-    """Run a method script; returns (exit code, wall seconds, peak RSS GB, run dir or None)."""
-    cmd = [sys.executable, str(REPO / script), "--model-name", MODEL, "--output-dir", str(out_dir),
+def run_script(script, extra, out_dir, threads, log, model=MODEL):
+    """Run a method script on `model`; returns (exit code, wall seconds, peak RSS GB, run dir or None, cmd)."""
+    cmd = [sys.executable, str(REPO / script), "--model-name", str(model), "--output-dir", str(out_dir),
            "--torch-threads", str(threads), *extra]
     t0 = time.time()
     with open(log, "w") as fh:

@@ -7,17 +7,12 @@ import json
 
 import pytest
 
-from conftest import REPO
+from conftest import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("real_model_bench", REPO / "benchmarks" / "real_model.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("real_model")
 
 
 def test_action_format_replaces_the_think_sentence_in_every_env(bench):
