@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -367,7 +368,8 @@ def istar_batch(cfg: Config, env_id: str = "sokoban", argv: Sequence[str] = (), 
     A fresh PRM equals the policy (its LoRA starts at zero), so at iteration 1 every step reward is 0 and
     iStar's credit is RLOO's; the PRM here first takes the script's PRM step (`prm_update`) on
     `warm_batches` earlier batches of the same (frozen) policy, as in iterations 1..warm_batches of a run
-    whose policy had not moved, and then scores this batch ("iStar"). "iStar (in-sample PRM)" scores it
+    whose policy had not moved (the script's PRM settings: its learning rate and its replay of the last
+    `prm_replay` batches' pairs), and then scores this batch ("iStar"). "iStar (in-sample PRM)" scores it
     again after the PRM step on this batch's own pairs. The return is the script's outcome: the env
     return (shaped Sokoban reward by default) minus invalid_penalty per invalid action."""
     import dataclasses
@@ -382,10 +384,9 @@ def istar_batch(cfg: Config, env_id: str = "sokoban", argv: Sequence[str] = (), 
                                     "--tasks-per-iteration", str(cfg.tasks), *argv])
     rng = ist.seed_everything(cfg.seed)
     new_env, probe, defaults, _ = ist.make_env(args)
-    given_prm_lr = args.prm_learning_rate
     args = ist.resolve_args(args, defaults)
     ist.check_args(args)
-    prm_lr = given_prm_lr if given_prm_lr is not None else 2 * args.learning_rate  # the official 2x, tiny too
+    prm_lr = args.prm_learning_rate  # the script's (tiny: PRESETS; a real model: the official 2x)
     max_new, threshold = args.max_new_tokens, args.positive_threshold
     model, tok = load_policy(args.model_name, env_id=env_id, tiny_preset=args.tiny_preset, load_in_4bit=False,
                              lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout)
@@ -402,13 +403,15 @@ def istar_batch(cfg: Config, env_id: str = "sokoban", argv: Sequence[str] = (), 
         samples = ist.old_logprob_turns(model, tok, eps, args)  # one per turn, with π_θold's log-probs
         return eps, samples
 
+    replay = deque(maxlen=args.prm_replay)  # as in istar.py's main: the last prm_replay paired batches
     for _ in range(warm_batches):
         eps, samples = batch()
         _, succ, grp = ist.trajectory_outcomes(eps, args.invalid_penalty, threshold)
-        ist.prm_update(model, tok, prm_optimizer, samples, succ, grp, args)
+        *_, mine = ist.prm_update(model, tok, prm_optimizer, samples, succ, grp, args, replay)
+        replay.appendleft(mine)
     episodes, samples = batch()
     _, succ, grp = ist.trajectory_outcomes(episodes, args.invalid_penalty, threshold)
-    log_ratios, _, pstats, _ = ist.prm_update(model, tok, prm_optimizer, samples, succ, grp, args)
+    log_ratios, _, pstats, _ = ist.prm_update(model, tok, prm_optimizer, samples, succ, grp, args, replay)
     log_ratios_in = ist.prm_log_ratios(model, tok, samples, args)
     model.set_adapter("default")
 
@@ -447,7 +450,8 @@ def istar_batch(cfg: Config, env_id: str = "sokoban", argv: Sequence[str] = (), 
         return _finish("istar", env_id, ("iStar", "RLOO", "iStar (in-sample PRM)"), rows, states, texts, keys, rets,
                        model_policy(ist, model, tok, args.temperature, max_new), cfg,
                        dict(episodes=len(episodes), success=float(np.mean([e.success for e in episodes])),
-                            prm_warm_batches=warm_batches, prm_heldout_pair_acc=pstats["heldout_pair_acc"],
+                            prm_warm_batches=warm_batches, prm_learning_rate=prm_lr, prm_replay=args.prm_replay,
+                            prm_heldout_pair_acc=pstats["heldout_pair_acc"],
                             prm_pairs=pstats["pairs"],
                             return_measured=(f"env return ({args.sokoban_reward} reward)" if env_id == "sokoban" else "env return")
                             + f" - {args.invalid_penalty:g} x invalid actions"))
@@ -884,6 +888,8 @@ def main(argv=None) -> dict:
     p.add_argument("--append", action="store_true", help="add the results to those already in --out (e.g. a "
                    "later --methods ... --extra ... run) instead of replacing them")
     p.add_argument("--tiny-preset", default=None, help="e.g. micro: a fast smoke run with untrained micro policies")
+    p.add_argument("--istar-warm-batches", type=int, default=4,
+                   help="iStar: PRM steps on earlier batches of the frozen policy before the scored batch")
     p.add_argument("--reps", type=int, default=1000, help="bootstrap resamples")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--doc", default="docs/credit_quality.md", help="where --report writes the tables")
@@ -913,7 +919,10 @@ def main(argv=None) -> dict:
                      turns=d.turns if a.turns is None else a.turns, seed=a.seed)
         t1 = time.time()
         extra = ["--tiny-preset", a.tiny_preset] if a.tiny_preset else []
-        res = ADAPTERS[m](cfg, argv=extra, **({"env_id": env_id} if env_id else {}))
+        kw = {"env_id": env_id} if env_id else {}
+        if m == "istar":
+            kw["warm_batches"] = a.istar_warm_batches
+        res = ADAPTERS[m](cfg, argv=extra, **kw)
         res["seconds"] = time.time() - t1
         res["summary"] = summarize(res, a.reps)
         data["results"][key] = res

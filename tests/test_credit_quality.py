@@ -1,5 +1,5 @@
 """benchmarks/credit_quality.py: the Monte Carlo true advantage on a two-turn game whose values are worked
-out by hand, and the agreement statistics on small cases computed by hand."""
+out by hand, the agreement statistics on small cases computed by hand, and the iStar adapter's PRM warm-up."""
 
 from __future__ import annotations
 
@@ -218,3 +218,24 @@ def test_aria_adapter_scores_each_seat_on_a_micro_policy(tiny_cache, one_thread)
     for r in res["rows"]:
         assert 0.0 <= r["q"] <= 1.0 and 0.0 <= r["v"] <= 1.0  # a seat's normalised payoff
         assert r["credit"]["REINFORCE"] >= 0.0  # raw discounted returns of outcomes in [0, 1]
+
+
+def test_istar_adapter_trains_its_prm_as_the_script_does(tiny_cache, monkeypatch):
+    """The warm-up PRM steps use istar.py's own PRM settings (the tiny preset's learning rate) and its
+    replay of earlier batches' pairs, as the script's main loop does: replay 0, 1, 2 batches before the
+    three PRM steps of 2 warm-up batches + the scored batch."""
+    import istar
+
+    seen = []
+    original = istar.prm_update
+
+    def recording(model, tok, optimizer, samples, succ, grp, args, replay=()):
+        seen.append((len(replay), optimizer.param_groups[0]["lr"]))
+        return original(model, tok, optimizer, samples, succ, grp, args, replay)
+
+    monkeypatch.setattr(istar, "prm_update", recording)
+    res = cq.istar_batch(cq.Config(tasks=2, group=4, n=1, turns=2, seed=0), argv=["--tiny-preset", "micro"],
+                         warm_batches=2)
+    lr = istar.PRESETS["tiny"]["prm_learning_rate"]
+    assert seen == [(0, lr), (1, lr), (2, lr)]
+    assert res["prm_learning_rate"] == lr and res["prm_replay"] == istar.PRESETS["tiny"]["prm_replay"]
