@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from learning import read_results, user_command  # noqa: E402  (the runner writes the files read here)
 
-SEEDS = (4, 5, 6, 7, 8)  # held-out seeds: the defaults were tuned on seeds 1-3 (EPO's on 4-6: its table uses 7-11)
+SEEDS = (4, 5, 6, 7, 8)  # held-out seeds: the defaults were tuned on seeds 1-3 (EPO's on 4-6: its table uses 7-13)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -93,8 +93,8 @@ TABLES = [
           note="Twenty Questions with compound secrets (the default env); the test secrets are unseen thing-colour pairs."),
     Table("aria", "docs/aria.md", "aria",
           {"aria": ("ARIA", ""), "reinforce": ("REINFORCE", "--no-aggregate")}, method="aria",
-          baselines=("reinforce",), note="Bargaining self-play (the default env); the metric is the payoff share "
-                                        "against the scripted styles."),
+          baselines=("reinforce",), seeds=(4, 5, 6, 7, 8, 9, 10, 11),
+          note="Bargaining self-play (the default env); the metric is the payoff share against the scripted styles."),
     Table("aria_20q", "docs/aria.md", "aria",
           {"aria": ("ARIA", ""), "reinforce": ("REINFORCE", "--no-aggregate")}, method="aria",
           baselines=("reinforce",), extra="--env-id twenty_questions",
