@@ -97,7 +97,7 @@ TABLES = [
           note="Bargaining self-play (the default env); the metric is the payoff share against the scripted styles."),
     Table("aria_20q", "docs/aria.md", "aria",
           {"aria": ("ARIA", ""), "reinforce": ("REINFORCE", "--no-aggregate")}, method="aria",
-          baselines=("reinforce",), extra="--env-id twenty_questions",
+          baselines=("reinforce",), extra="--env-id twenty_questions", seeds=(4, 5, 6, 7, 8, 9, 10, 11),
           note="Twenty Questions with compound secrets against the oracle (single agent); the metric is the "
                "success on the test secrets, never played in training."),
     Table("epo", "docs/epo.md", "epo",
