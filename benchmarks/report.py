@@ -89,7 +89,7 @@ TABLES = [
           seeds=(4, 5, 6, 7, 8, 9, 10, 11)),
     Table("delta_belief", "docs/delta_belief.md", "delta_belief",
           {"delta": ("ΔBelief-RL", ""), "starpo": ("StarPO", "--reward-mode starpo")},
-          method="delta", baselines=("starpo",), seeds=(4, 5, 6, 7, 8, 9, 10),
+          method="delta", baselines=("starpo",), seeds=(4, 5, 6, 7, 8, 9, 10, 11),
           note="Twenty Questions with compound secrets (the default env); the test secrets are unseen thing-colour pairs."),
     Table("aria", "docs/aria.md", "aria",
           {"aria": ("ARIA", ""), "reinforce": ("REINFORCE", "--no-aggregate")}, method="aria",
