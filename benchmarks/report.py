@@ -87,7 +87,7 @@ TABLES = [
           {"istar": ("iStar (RLOO)", ""), "rloo": ("RLOO", "--alpha 0")}, method="istar", baselines=("rloo",)),
     Table("delta_belief", "docs/delta_belief.md", "delta_belief",
           {"delta": ("ΔBelief-RL", ""), "starpo": ("StarPO", "--reward-mode starpo")},
-          method="delta", baselines=("starpo",),
+          method="delta", baselines=("starpo",), seeds=tuple(range(4, 16)),
           note="Twenty Questions with compound secrets (the default env); the test secrets are unseen thing-colour pairs."),
     Table("aria", "docs/aria.md", "aria",
           {"aria": ("ARIA", ""), "reinforce": ("REINFORCE", "--no-aggregate")}, method="aria",
