@@ -141,6 +141,24 @@ def test_rendered_tables_show_the_hand_numbers(toy_records):
             "+0.100 ± 0.058 | 4, 5, 6 | 200 (2 CPU cores, load 1.0-2.0) | `python graphgpo.py --seed S --torch-threads 1` |") in summary
 
 
+def test_power_by_hand(toy_records):
+    runs = report.select(TOY, toy_records)
+    # paired m - b: +0.10, 0.00, +0.20 -> mean 0.10, std sqrt(0.02 / 2) = 0.1 (see the fixture's arithmetic);
+    # every after_se is 0.02: evaluation part sqrt(0.02^2 + 0.02^2) = 0.028284 on each seed, and its RMS;
+    # resolvable 2 x 0.1 / sqrt(3) = 0.11547; seeds for the mean 0.10 at 2 SE: (2 x 0.1 / 0.10)^2 = 4
+    pw = report.power(runs["m"], runs["b"])
+    assert (pw["n"], pw["mean"], pw["sd"]) == (3, pytest.approx(0.10), pytest.approx(0.1))
+    assert pw["eval_sd"] == pytest.approx(0.028284, abs=1e-6) and pw["resolvable"] == pytest.approx(0.11547, abs=1e-5)
+    assert pw["seeds_needed"] == 4
+    flipped = report.power(runs["b"], runs["m"])  # mean -0.10: no number of seeds makes it a positive effect
+    assert flipped["mean"] == pytest.approx(-0.10) and flipped["seeds_needed"] is None
+    assert report.power({4: runs["m"][4]}, {4: runs["b"][4]}) is None  # one seed: no spread
+    text = report.render_power(TOY_SUMMARY, {"toy": toy_records}, tables=[TOY])
+    # wall per seed: the slower median of the two (m 200, b 100)
+    assert "| Method − Base | sokoban: `eval/success` | 3 | +0.100 ± 0.058 | 0.100 | 0.028 | 0.115 | 4 | 200 |" in text
+    assert "| Method − Base | | fewer than 2 |" in report.render_power(TOY_SUMMARY, {}, tables=[TOY])
+
+
 def test_table_without_results_says_how_to_make_them():
     text = report.render_table(TOY, [])
     assert "No results yet" in text and TOY.runner_command() in text
