@@ -7,6 +7,7 @@ on a tiny Sokoban checkpoint, and appends one JSON line per run to <out>/results
     python benchmarks/learning_diag.py train --model DIR --mode grpo  --lr 5e-4 --iters 40
     python benchmarks/learning_diag.py train --model DIR --mode oracle --lr 5e-4 --iters 40
     python benchmarks/learning_diag.py sft   --model DIR --data dagger --lr 1e-4 --steps 80
+    python benchmarks/learning_diag.py evalnoise --evals 4           # the SE of a change, paired or not
     python benchmarks/learning_diag.py report                       # docs/learning_diag.md from results.jsonl
 
 - `snr`: 64 train levels x 8 sampled episodes; the per-group policy-gradient vectors (ratio 1, the
@@ -22,12 +23,18 @@ on a tiny Sokoban checkpoint, and appends one JSON line per run to <out>/results
 - `sft`: continued supervised training, all weights, with the tiny builder's own loss and optimizer
   settings, either on fresh demonstrations of the build's kind (`--data demos`) or on the policy's
   own visited solvable states labelled by the expert (`--data dagger`).
+- `evalnoise`: `--evals` sampled evaluations (T=1, one episode per level, torch seeds 100, 101, ...) of
+  one unchanged policy on all 200 test levels. Each consecutive pair is a change whose true value is 0;
+  for it, the standard error the scripts report (the two evaluations' SEs in quadrature) and the SE of
+  the per-level differences (the evaluations paired by level). Their ratio says how much of the noise
+  of a change is the levels' own difficulty, which pairing by level would remove.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import sys
@@ -221,6 +228,37 @@ def cmd_sft(a):
             "seed": a.seed, "curve": curve}
 
 
+def change_ses(before, after):
+    """SEs of mean(after) - mean(before) for two evaluations of the same tasks (one 0/1 outcome per
+    task each): (quadrature of the two evaluations' SEs, SE of the per-task differences)."""
+    a, b = np.asarray(before, dtype=float), np.asarray(after, dtype=float)
+    n = len(a)
+    quadrature = math.sqrt(a.var(ddof=1) / n + b.var(ddof=1) / n)
+    return quadrature, float((b - a).std(ddof=1) / math.sqrt(n))
+
+
+def cmd_evalnoise(a):
+    model, tok, make = setup(a.model, a.seed)
+    test = list(make().task_ids("test"))
+    outcomes = []
+    for i in range(a.evals):
+        torch.manual_seed(100 + i)
+        eps = G.rollout(model, tok, make, test, [0] * len(test), 1.0, 4)
+        outcomes.append([float(e.success) for e in eps])
+        print(f"evaluation {i}: success {np.mean(outcomes[-1]):.3f}", flush=True)
+    pairs = []
+    for before, after in zip(outcomes[:-1], outcomes[1:]):
+        quadrature, paired = change_ses(before, after)
+        pairs.append({"change": float(np.mean(after) - np.mean(before)), "se_quadrature": quadrature,
+                      "se_paired": paired})
+        print(f"change {pairs[-1]['change']:+.3f}: SE {quadrature:.4f} in quadrature, {paired:.4f} paired by "
+              f"level ({paired / quadrature:.2f} of it)")
+    rate = np.mean(outcomes, axis=0)
+    return {"exp": "evalnoise", "model": label(a.model), "levels": len(test), "evals": a.evals,
+            "success": [float(np.mean(o)) for o in outcomes], "pairs": pairs,
+            "levels_never_solved": float(np.mean(rate == 0)), "levels_always_solved": float(np.mean(rate == 1))}
+
+
 def cmd_report(a):
     rows = [json.loads(x) for x in (Path(a.out) / "results.jsonl").read_text().splitlines() if x.strip()]
     lines = ["Written by `python benchmarks/learning_diag.py report` from runs/learning_diag/results.jsonl; "
@@ -259,7 +297,7 @@ def cmd_report(a):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("cmd", choices=["snr", "train", "sft", "report"])
+    p.add_argument("cmd", choices=["snr", "train", "sft", "evalnoise", "report"])
     p.add_argument("--model", default=None, help="tiny Sokoban checkpoint directory (default: the default build)")
     p.add_argument("--sft-steps", type=int, default=None, help="build (or find) the default recipe with this many SFT steps")
     p.add_argument("--smoothing", type=float, default=None, help="... and this action_smoothing (0: none)")
@@ -279,6 +317,7 @@ def main():
     p.add_argument("--data", choices=["demos", "dagger"], default="dagger")
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--evals", type=int, default=4, help="evalnoise: evaluations of the unchanged policy")
     a = p.parse_args()
     if a.cmd == "report":
         return cmd_report(a)
@@ -286,7 +325,7 @@ def main():
     overrides = {k: v for k, v in (("steps", a.sft_steps), ("action_smoothing", a.smoothing)) if v is not None} or None
     a.model = a.model or str(tiny.ensure_tiny("sokoban", overrides=overrides))
     a.tasks = a.tasks or (64 if a.cmd == "snr" else 4)
-    res = {"snr": cmd_snr, "train": cmd_train, "sft": cmd_sft}[a.cmd](a)
+    res = {"snr": cmd_snr, "train": cmd_train, "sft": cmd_sft, "evalnoise": cmd_evalnoise}[a.cmd](a)
     res["command"] = " ".join(sys.argv[1:])
     Path(a.out).mkdir(parents=True, exist_ok=True)
     with open(Path(a.out) / "results.jsonl", "a") as fh:
