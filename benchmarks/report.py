@@ -85,7 +85,8 @@ class Table:
 TABLES = [
     Table("graphgpo", "docs/graphgpo.md", "graphgpo",
           {"graphgpo": ("GraphGPO", ""), "grpo": ("GRPO", "--step-advantage none"),
-           "gigpo": ("GiGPO", "--step-advantage gigpo")}, method="graphgpo", baselines=("grpo", "gigpo")),
+           "gigpo": ("GiGPO", "--step-advantage gigpo")}, method="graphgpo", baselines=("grpo", "gigpo"),
+          seeds=tuple(range(4, 18))),
     Table("istar", "docs/istar.md", "istar",
           {"istar": ("iStar (RLOO)", ""), "rloo": ("RLOO", "--alpha 0")}, method="istar", baselines=("rloo",)),
     Table("delta_belief", "docs/delta_belief.md", "delta_belief",
