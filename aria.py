@@ -410,11 +410,35 @@ def completion_text(tok, completion) -> str:
     return tok.decode(completion, skip_special_tokens=True)
 
 
+class CommonNoise:
+    """Temperature sampling as argmax(logits / T + Gumbel noise), the Gumbel-max trick (exactly a sample
+    of softmax(logits / T)), where row b's noise at its i-th new token comes from its own generator,
+    seeded by (*keys[b], i). The same key gives the same noise whatever else is in the batch, so two
+    policies that play the same evaluation episodes with the same keys sample with common random
+    numbers: they choose the same token wherever their distributions are close, and the change between
+    two evaluations is measured episode by episode, with a smaller standard error than two independent
+    evaluations give (docs/learning.md, "Common random numbers"). A logits processor of `generate`."""
+
+    def __init__(self, keys, temperature, width):
+        self.keys, self.temperature, self.width = keys, temperature, width
+
+    def __call__(self, input_ids, scores):
+        step = input_ids.shape[1] - self.width
+        seeds = [int(np.random.SeedSequence([*key, step]).generate_state(1, np.uint64)[0])
+                 for key in self.keys]
+        u = torch.stack([torch.rand(scores.shape[-1], dtype=torch.float64,
+                                    generator=torch.Generator().manual_seed(seed)) for seed in seeds])
+        gumbel = -torch.log(-torch.log(u))
+        return scores / self.temperature + gumbel.to(scores.device, scores.dtype)
+
+
 @torch.no_grad()
-def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False):
+def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False, noise_keys=None):
     """One batched generate (left padding, top_k=0, top_p=1, stop at EOS); temperature <= 0 is
-    greedy. Returns completion id lists: each row up to and including its first EOS, or all
-    `max_new_tokens` tokens when it has none (every one was sampled, even one equal to pad)."""
+    greedy. `noise_keys` (one tuple of non-negative ints per row): sample with `CommonNoise` instead of
+    generate's own sampler (evaluation). Returns completion id lists: each row up to and including its
+    first EOS, or all `max_new_tokens` tokens when it has none (every one was sampled, even one equal
+    to pad)."""
     if not prompt_ids:
         return []
     device = next(model.parameters()).device
@@ -425,15 +449,18 @@ def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False):
     attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids],
                              dtype=torch.long, device=device)
     sample = not greedy and temperature > 0
-    # top_k=0, top_p=1: true temperature sampling (generate would otherwise fill in top_k=50)
-    kw = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if sample else dict(
-        do_sample=False)
+    if sample and noise_keys is not None:  # argmax of logits / T + each row's own Gumbel noise
+        kw = dict(do_sample=False, logits_processor=[CommonNoise(noise_keys, temperature, width)])
+    elif sample:  # top_k=0, top_p=1: true temperature sampling (else generate fills in top_k=50)
+        kw = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+    else:
+        kw = dict(do_sample=False)
     out = model.generate(input_ids=input_ids, attention_mask=attention,
                          max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=eos, **kw)
     return [row[: row.index(eos) + 1] if eos in row else row for row in out[:, width:].tolist()]
 
 
-def rollout(model, tok, new_env, task_ids, args, temperature, greedy=False):
+def rollout(model, tok, new_env, task_ids, args, temperature, greedy=False, noise_keys=None):
     """Games of a batch of tasks, each an `envs.Seated` from `new_env()`, all stepped together (one
     generate per turn or round of messages).
 
@@ -441,7 +468,8 @@ def rollout(model, tok, new_env, task_ids, args, temperature, greedy=False):
     utterances are the parsed action and the observation of every turn; R = 1 if solved, else 0.
     Self-play (the policy in both seats of a two-player game): every message is an utterance and a
     training step of its player; R per player is the win indicator (`--game-reward win`) or the
-    normalised payoff (`payoff`)."""
+    normalised payoff (`payoff`). `noise_keys` (evaluation): one key per game; its t-th message
+    samples with the common random numbers of (*key, t) (`CommonNoise`)."""
     from envs import extract_action
 
     games = [new_env().reset(task) for task in task_ids]
@@ -456,8 +484,10 @@ def rollout(model, tok, new_env, task_ids, args, temperature, greedy=False):
         players = [games[i].current_player if selfplay else "agent" for i in active]
         prompts = [encode(tok, render_prompt(tok, games[i].observe(games[i].current_player)))
                    for i in active]
+        keys = None if noise_keys is None else [(*noise_keys[i], len(episodes[i].steps))
+                                                for i in active]
         completions = generate(model, tok, prompts, temperature, args.max_new_tokens,
-                               greedy=greedy)
+                               greedy=greedy, noise_keys=keys)
         for k, i in enumerate(active):
             text = tok.decode(completions[k], skip_special_tokens=True)
             step = games[i].step(completion_text(tok, completions[k]))
@@ -810,12 +840,20 @@ def evaluate(model, tok, new_env, probe, tasks, args, two_player):
     """Single agent: success over `eval_k` sampled games per test task and one greedy game per
     task. Two-player: the policy plays each role against each scripted style (`new_env(seats)`);
     the win rate and the payoff share per role and style, sampled (`eval_k` games per task) and
-    greedy (one game)."""
+    greedy (one game). The sampled games draw common random numbers keyed by (seed, cell, game),
+    the same in every evaluation of the run (and in every run of the seed), so `learning_summary`
+    pairs the first and the last evaluation game by game (eval/success_episodes,
+    eval/payoff_share_episodes)."""
     out, records = {}, []
     tasks_k = [t for t in tasks for _ in range(args.eval_k)]
+
+    def keys(cell):
+        return [(args.seed, cell, i) for i in range(len(tasks_k))]
     if not two_player:
-        episodes = rollout(model, tok, new_env, tasks_k, args, args.eval_temperature)
+        episodes = rollout(model, tok, new_env, tasks_k, args, args.eval_temperature,
+                           noise_keys=keys(0))
         out["eval/success"], out["eval/success_se"] = mean_se([ep.success for ep in episodes])
+        out["eval/success_episodes"] = [float(ep.success) for ep in episodes]
         out["eval/return"] = float(np.mean([ep.env_return for ep in episodes]))
         out["eval/episode_length"] = float(np.mean([ep.length for ep in episodes]))
         out["eval/invalid_frac"] = float(np.mean([s["invalid"] for ep in episodes
@@ -828,12 +866,14 @@ def evaluate(model, tok, new_env, probe, tasks, args, two_player):
         return out, records
     styles = list(args.eval_opponents) or list(probe.opponent_styles())
     sampled, greedy, rets, lens, inval, shares, wins, shares_g = [], [], [], [], [], [], [], []
+    cells = [(role, style) for role in probe.players for style in styles]
     for role in probe.players:
         for style in styles:
             def make(role=role, style=style):
                 return new_env({p: "policy" if p == role else style for p in probe.players})
 
-            episodes = rollout(model, tok, make, tasks_k, args, args.eval_temperature)
+            episodes = rollout(model, tok, make, tasks_k, args, args.eval_temperature,
+                               noise_keys=keys(cells.index((role, style))))
             g = rollout(model, tok, make, tasks, args, 1.0, greedy=True)
             wr = float(np.mean([ep.success for ep in episodes]))
             wr_g = float(np.mean([ep.success for ep in g]))
@@ -860,6 +900,7 @@ def evaluate(model, tok, new_env, probe, tasks, args, two_player):
     # the learner's deal position (payoff share) against the scripted styles: a constant policy
     # does not saturate it the way it saturates the win rate (docs/aria.md, "Evaluation")
     out["eval/payoff_share"], out["eval/payoff_share_se"] = mean_se(shares)
+    out["eval/payoff_share_episodes"] = [float(v) for v in shares]
     out["eval/payoff_share_greedy"], out["eval/payoff_share_greedy_se"] = mean_se(shares_g)
     out["eval/success_greedy"] = out["eval/win_rate_greedy"] = float(np.mean(greedy))
     out["eval/return"] = float(np.mean(rets))
@@ -935,21 +976,27 @@ def mean_se(values) -> tuple[float, float]:
 
 
 def learning_summary(first, last, metric):
-    """The run's main evaluation metric before and after training, the change and its standard error
-    (the two evaluations' SEs in quadrature); `rose` / `fell`: the change is above +2 SE / below
-    -2 SE."""
+    """The run's main evaluation metric before and after training, the change and its standard error;
+    `rose` / `fell`: the change is above +2 SE / below -2 SE. When both evaluations hold the metric
+    per episode (`<metric>_episodes`: the same episodes, played with common random numbers) the SE is
+    that of the per-episode differences (`paired`); otherwise the two evaluations' SEs in quadrature,
+    which is also kept as `change_se_quadrature` (the SE two independent evaluations would give)."""
     before, after = float(first[metric]), float(last[metric])
     se0, se1 = float(first.get(metric + "_se", 0.0)), float(last.get(metric + "_se", 0.0))
-    change, se = after - before, math.sqrt(se0 ** 2 + se1 ** 2)
+    change, quadrature = after - before, math.sqrt(se0 ** 2 + se1 ** 2)
+    a, b = first.get(metric + "_episodes"), last.get(metric + "_episodes")
+    paired = a is not None and b is not None and len(a) == len(b) > 1
+    se = mean_se(np.subtract(b, a))[1] if paired else quadrature
     return {"metric": metric, "before": before, "before_se": se0, "after": after, "after_se": se1,
-            "change": change, "change_se": se, "rose": bool(change > 2.0 * se),
-            "fell": bool(change < -2.0 * se)}
+            "change": change, "change_se": se, "change_se_quadrature": quadrature, "paired": paired,
+            "rose": bool(change > 2.0 * se), "fell": bool(change < -2.0 * se)}
 
 
 def print_learning(s):
     print(f"{s['metric']}: {s['before']:.3f} ± {s['before_se']:.3f} before training, "
           f"{s['after']:.3f} ± {s['after_se']:.3f} after "
-          f"({s['change']:+.3f} ± {s['change_se']:.3f})")
+          f"({s['change']:+.3f} ± {s['change_se']:.3f}"
+          + (", SE paired by episode)" if s.get("paired") else ")"))
     if s["fell"]:
         print(f"WARNING: {s['metric']} fell by more than two standard errors ({s['change']:+.3f} ± "
               f"{s['change_se']:.3f}): this run made the policy worse")

@@ -405,11 +405,35 @@ def completion_text(tok, completion) -> str:
     return tok.decode(completion, skip_special_tokens=True)
 
 
+class CommonNoise:
+    """Temperature sampling as argmax(logits / T + Gumbel noise), the Gumbel-max trick (exactly a sample
+    of softmax(logits / T)), where row b's noise at its i-th new token comes from its own generator,
+    seeded by (*keys[b], i). The same key gives the same noise whatever else is in the batch, so two
+    policies that play the same evaluation episodes with the same keys sample with common random
+    numbers: they choose the same token wherever their distributions are close, and the change between
+    two evaluations is measured episode by episode, with a smaller standard error than two independent
+    evaluations give (docs/learning.md, "Common random numbers"). A logits processor of `generate`."""
+
+    def __init__(self, keys, temperature, width):
+        self.keys, self.temperature, self.width = keys, temperature, width
+
+    def __call__(self, input_ids, scores):
+        step = input_ids.shape[1] - self.width
+        seeds = [int(np.random.SeedSequence([*key, step]).generate_state(1, np.uint64)[0])
+                 for key in self.keys]
+        u = torch.stack([torch.rand(scores.shape[-1], dtype=torch.float64,
+                                    generator=torch.Generator().manual_seed(seed)) for seed in seeds])
+        gumbel = -torch.log(-torch.log(u))
+        return scores / self.temperature + gumbel.to(scores.device, scores.dtype)
+
+
 @torch.no_grad()
-def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False):
+def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False, noise_keys=None):
     """One batched generate (left padding, top_k=0, top_p=1, stop at EOS); temperature <= 0 is
-    greedy. Returns completion id lists: each row up to and including its first EOS, or all
-    `max_new_tokens` tokens when it has none (every one was sampled, even one equal to pad)."""
+    greedy. `noise_keys` (one tuple of non-negative ints per row): sample with `CommonNoise` instead of
+    generate's own sampler (evaluation). Returns completion id lists: each row up to and including its
+    first EOS, or all `max_new_tokens` tokens when it has none (every one was sampled, even one equal
+    to pad)."""
     if not prompt_ids:
         return []
     device = next(model.parameters()).device
@@ -420,23 +444,29 @@ def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False):
     attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids],
                              dtype=torch.long, device=device)
     sample = not greedy and temperature > 0
-    # top_k=0, top_p=1: true temperature sampling (generate would otherwise fill in top_k=50)
-    kw = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if sample else dict(
-        do_sample=False)
+    if sample and noise_keys is not None:  # argmax of logits / T + each row's own Gumbel noise
+        kw = dict(do_sample=False, logits_processor=[CommonNoise(noise_keys, temperature, width)])
+    elif sample:  # top_k=0, top_p=1: true temperature sampling (else generate fills in top_k=50)
+        kw = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+    else:
+        kw = dict(do_sample=False)
     out = model.generate(input_ids=input_ids, attention_mask=attention,
                          max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=eos, **kw)
     return [row[: row.index(eos) + 1] if eos in row else row for row in out[:, width:].tolist()]
 
 
 def rollout(model, tok, new_env, task_ids, group_ids, args, temperature, belief_message,
-            greedy=False, best_of_n=0, max_turns=None, with_beliefs=True, belief_games=None):
+            greedy=False, best_of_n=0, max_turns=None, with_beliefs=True, belief_games=None,
+            noise_keys=None):
     """Play one game per task id, all envs stepped together: one batched generate per turn, then
     (`with_beliefs`) one batched belief elicitation (`elicit_beliefs`): b_0 after reset, b_{t+1}
     after every turn (NaN after a winning one). `belief_games` (indices into task_ids; None: all)
     limits the elicitation to those games; it samples nothing, so the games played are the same
     either way. With `best_of_n` > 0 (evaluation, Eq. 2 / Fig. 3) every turn samples n questions,
     plays each on a copy of the env and keeps the one with the largest belief gain
-    (docs/delta_belief.md, "Implementation details" 11)."""
+    (docs/delta_belief.md, "Implementation details" 11). `noise_keys` (evaluation): one key per
+    game; candidate j of turn t samples with the common random numbers of (*key, t, j)
+    (`CommonNoise`)."""
     envs_, episodes = [], []
     for i, (task, g) in enumerate(zip(task_ids, group_ids)):
         env = new_env()
@@ -464,8 +494,10 @@ def rollout(model, tok, new_env, task_ids, group_ids, args, temperature, belief_
             break
         prompts = [encode(tok, render_prompt(tok, envs_[i].messages())) for i in active]
         n = max(1, best_of_n)
+        keys = None if noise_keys is None else [(*noise_keys[i], episodes[i].length, j)
+                                                for i in active for j in range(n)]
         completions = generate(model, tok, [p for p in prompts for _ in range(n)], temperature,
-                               args.max_new_tokens, greedy=greedy and n == 1)
+                               args.max_new_tokens, greedy=greedy and n == 1, noise_keys=keys)
         if n > 1:  # ΔBelief best-of-n: every candidate question is played on a copy of the env
             copies, steps = [], []
             for k, i in enumerate(active):
@@ -794,16 +826,24 @@ def episode_record(ep, tag):
 
 def evaluate(model, tok, new_env, tasks, args, max_turns, prefix, belief_message, best_of_n=0):
     """Sampled (k per task, at --eval-temperature), greedy (1 per task) and optionally best-of-n
-    games."""
+    games. The sampled games draw common random numbers keyed by (seed, stream, game), the same in
+    every evaluation of the run (and in every run of the seed), so `learning_summary` pairs the
+    first and the last evaluation game by game (<prefix>success_episodes)."""
     out, records = {}, []
     tasks_k = [t for t in tasks for _ in range(args.eval_k)]
     groups_k = [g for g in range(len(tasks)) for _ in range(args.eval_k)]
+    stream = 0 if prefix == "eval/" else 1  # the test secrets; the out-of-distribution ones
+
+    def keys(stream, n):
+        return [(args.seed, stream, i) for i in range(n)]
     # the belief curve is read off the first of the k games per target: 1/k of the elicitation cost
     episodes = rollout(model, tok, new_env, tasks_k, groups_k, args, args.eval_temperature,
                        belief_message, max_turns=max_turns,
-                       belief_games=range(0, len(tasks_k), args.eval_k))
+                       belief_games=range(0, len(tasks_k), args.eval_k),
+                       noise_keys=keys(stream, len(tasks_k)))
     for key, v in episode_stats(episodes, args.eval_k).items():
         out[f"{prefix}{key}"] = v
+    out[f"{prefix}success_episodes"] = [float(ep.success) for ep in episodes]
     out[f"{prefix}belief_curve"] = belief_curve(episodes, max_turns)
     logged = episodes[:: args.eval_k][: args.num_logged_episodes]  # one per target, with beliefs
     records += [episode_record(ep, f"{prefix}sampled") for ep in logged]
@@ -814,7 +854,7 @@ def evaluate(model, tok, new_env, tasks, args, max_turns, prefix, belief_message
     if best_of_n > 0:
         best = rollout(model, tok, new_env, tasks, list(range(len(tasks))), args,
                        args.eval_temperature, belief_message, best_of_n=best_of_n,
-                       max_turns=max_turns)
+                       max_turns=max_turns, noise_keys=keys(stream + 2, len(tasks)))
         out[f"{prefix}bon{best_of_n}_success"] = float(np.mean([ep.success for ep in best]))
         out[f"{prefix}bon{best_of_n}_num_questions"] = float(np.mean([ep.length for ep in best]))
         records += [episode_record(ep, f"{prefix}best_of_{best_of_n}") for ep in best[:2]]
@@ -883,21 +923,27 @@ def mean_se(values) -> tuple[float, float]:
 
 
 def learning_summary(first, last, metric):
-    """The run's main evaluation metric before and after training, the change and its standard error
-    (the two evaluations' SEs in quadrature); `rose` / `fell`: the change is above +2 SE / below
-    -2 SE."""
+    """The run's main evaluation metric before and after training, the change and its standard error;
+    `rose` / `fell`: the change is above +2 SE / below -2 SE. When both evaluations hold the metric
+    per episode (`<metric>_episodes`: the same episodes, played with common random numbers) the SE is
+    that of the per-episode differences (`paired`); otherwise the two evaluations' SEs in quadrature,
+    which is also kept as `change_se_quadrature` (the SE two independent evaluations would give)."""
     before, after = float(first[metric]), float(last[metric])
     se0, se1 = float(first.get(metric + "_se", 0.0)), float(last.get(metric + "_se", 0.0))
-    change, se = after - before, math.sqrt(se0 ** 2 + se1 ** 2)
+    change, quadrature = after - before, math.sqrt(se0 ** 2 + se1 ** 2)
+    a, b = first.get(metric + "_episodes"), last.get(metric + "_episodes")
+    paired = a is not None and b is not None and len(a) == len(b) > 1
+    se = mean_se(np.subtract(b, a))[1] if paired else quadrature
     return {"metric": metric, "before": before, "before_se": se0, "after": after, "after_se": se1,
-            "change": change, "change_se": se, "rose": bool(change > 2.0 * se),
-            "fell": bool(change < -2.0 * se)}
+            "change": change, "change_se": se, "change_se_quadrature": quadrature, "paired": paired,
+            "rose": bool(change > 2.0 * se), "fell": bool(change < -2.0 * se)}
 
 
 def print_learning(s):
     print(f"{s['metric']}: {s['before']:.3f} ± {s['before_se']:.3f} before training, "
           f"{s['after']:.3f} ± {s['after_se']:.3f} after "
-          f"({s['change']:+.3f} ± {s['change_se']:.3f})")
+          f"({s['change']:+.3f} ± {s['change_se']:.3f}"
+          + (", SE paired by episode)" if s.get("paired") else ")"))
     if s["fell"]:
         print(f"WARNING: {s['metric']} fell by more than two standard errors ({s['change']:+.3f} ± "
               f"{s['change_se']:.3f}): this run made the policy worse")

@@ -442,11 +442,35 @@ def agent_messages(game, player, strategy):
         return with_user_suffix(game.observe(player), AGENT_HINT.format(strategy=strategy))
 
 
+class CommonNoise:
+    """Temperature sampling as argmax(logits / T + Gumbel noise), the Gumbel-max trick (exactly a sample
+    of softmax(logits / T)), where row b's noise at its i-th new token comes from its own generator,
+    seeded by (*keys[b], i). The same key gives the same noise whatever else is in the batch, so two
+    policies that play the same evaluation episodes with the same keys sample with common random
+    numbers: they choose the same token wherever their distributions are close, and the change between
+    two evaluations is measured episode by episode, with a smaller standard error than two independent
+    evaluations give (docs/learning.md, "Common random numbers"). A logits processor of `generate`."""
+
+    def __init__(self, keys, temperature, width):
+        self.keys, self.temperature, self.width = keys, temperature, width
+
+    def __call__(self, input_ids, scores):
+        step = input_ids.shape[1] - self.width
+        seeds = [int(np.random.SeedSequence([*key, step]).generate_state(1, np.uint64)[0])
+                 for key in self.keys]
+        u = torch.stack([torch.rand(scores.shape[-1], dtype=torch.float64,
+                                    generator=torch.Generator().manual_seed(seed)) for seed in seeds])
+        gumbel = -torch.log(-torch.log(u))
+        return scores / self.temperature + gumbel.to(scores.device, scores.dtype)
+
+
 @torch.no_grad()
-def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False):
+def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False, noise_keys=None):
     """One batched generate (left padding, top_k=0, top_p=1, stop at EOS); temperature <= 0 is
-    greedy. Returns completion id lists: each row up to and including its first EOS, or all
-    `max_new_tokens` tokens when it has none (every one was sampled, even one equal to pad)."""
+    greedy. `noise_keys` (one tuple of non-negative ints per row): sample with `CommonNoise` instead of
+    generate's own sampler (evaluation). Returns completion id lists: each row up to and including its
+    first EOS, or all `max_new_tokens` tokens when it has none (every one was sampled, even one equal
+    to pad)."""
     if not prompt_ids:
         return []
     device = next(model.parameters()).device
@@ -457,9 +481,12 @@ def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False):
     attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids],
                              dtype=torch.long, device=device)
     sample = not greedy and temperature > 0
-    # top_k=0, top_p=1: true temperature sampling (generate would otherwise fill in top_k=50)
-    kw = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if sample else dict(
-        do_sample=False)
+    if sample and noise_keys is not None:  # argmax of logits / T + each row's own Gumbel noise
+        kw = dict(do_sample=False, logits_processor=[CommonNoise(noise_keys, temperature, width)])
+    elif sample:  # top_k=0, top_p=1: true temperature sampling (else generate fills in top_k=50)
+        kw = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+    else:
+        kw = dict(do_sample=False)
     out = model.generate(input_ids=input_ids, attention_mask=attention,
                          max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=eos, **kw)
     return [row[: row.index(eos) + 1] if eos in row else row for row in out[:, width:].tolist()]
@@ -474,11 +501,14 @@ def strategy_of(text: str) -> str:
     return s if len(s) <= 200 else s[:200]
 
 
-def rollout(model, tok, games, args, temperature, greedy=False, first_traj_id=0, real=False):
+def rollout(model, tok, games, args, temperature, greedy=False, first_traj_id=0, real=False,
+            noise_keys=None):
     """Play every game (an `envs.Seated`, reset to its task) to the end, all stepped together: per
     round, one batched strategist `generate` for every game whose turn it is (and, for `--agent
     base`, one batched agent `generate` with the adapter disabled); scripted seats move inside the
-    games. `real`: an instruct strategist (its prompts). Returns one Episode per (game, policy
+    games. `real`: an instruct strategist (its prompts). `noise_keys` (evaluation): one key per
+    game; seat p's t-th strategy (and its agent's move) samples with the common random numbers of
+    (*key, p, t, 0) (and (*key, p, t, 1)) (`CommonNoise`). Returns one Episode per (game, policy
     seat), in game order."""
     episodes = {}
     for g, game in enumerate(games):
@@ -497,7 +527,11 @@ def rollout(model, tok, games, args, temperature, greedy=False, first_traj_id=0,
         msgs = [strategist_messages(games[g], p, episodes[(g, p)].strategies, real)
                 for g, p in zip(live, who)]
         prompts = [encode(tok, render_prompt(tok, m)) for m in msgs]
-        completions = generate(model, tok, prompts, temperature, args.max_new_tokens, greedy)
+        keys = None if noise_keys is None else [
+            (*noise_keys[g], games[g].players.index(p), episodes[(g, p)].length)
+            for g, p in zip(live, who)]
+        completions = generate(model, tok, prompts, temperature, args.max_new_tokens, greedy,
+                               noise_keys=None if keys is None else [(*k, 0) for k in keys])
         strategies = [strategy_of(completion_text(tok, c)) for c in completions]
         if args.agent == "rule":
             moves = [games[g].env.rule_agent_action(p, s) for g, p, s in zip(live, who, strategies)]
@@ -505,8 +539,9 @@ def rollout(model, tok, games, args, temperature, greedy=False, first_traj_id=0,
             agent_prompts = [encode(tok, render_prompt(tok, agent_messages(games[g], p, s)))
                              for g, p, s in zip(live, who, strategies)]
             with model.disable_adapter():
-                agent_completions = generate(model, tok, agent_prompts, args.agent_temperature,
-                                             args.agent_max_new_tokens)
+                agent_completions = generate(
+                    model, tok, agent_prompts, args.agent_temperature, args.agent_max_new_tokens,
+                    noise_keys=None if keys is None else [(*k, 1) for k in keys])
             moves = [completion_text(tok, c) for c in agent_completions]
         for k, (g, p) in enumerate(zip(live, who)):
             game, ep = games[g], episodes[(g, p)]
@@ -869,7 +904,10 @@ def episode_record(ep: Episode, tag: str) -> dict:
 def evaluate(model, tok, new_env, tasks, players, styles, args, real):
     """Two-player: each test task in each role against every scripted style (sampled at
     eval_temperature and greedy), plus self-chat; single-agent: each test task (sampled and
-    greedy). Returns (row, records)."""
+    greedy). The sampled games draw common random numbers keyed by (seed, stream, game), the same
+    in every evaluation of the run (and in every run of the seed), so `learning_summary` pairs the
+    first and the last evaluation game by game (eval/goal_score_episodes). Returns (row,
+    records)."""
     row, records = {}, []
     specs = ([(task, role, style) for style in styles for role in players for task in tasks]
              if styles else [(task, "agent", "") for task in tasks])
@@ -877,13 +915,15 @@ def evaluate(model, tok, new_env, tasks, players, styles, args, real):
     def build():
         return [new_env(task, {p: "policy" if p == role else style for p in players})
                 for task, role, style in specs]
-    sampled = rollout(model, tok, build(), args, args.eval_temperature, real=real)
+    sampled = rollout(model, tok, build(), args, args.eval_temperature, real=real,
+                      noise_keys=[(args.seed, 0, i) for i in range(len(specs))])
     greedy = rollout(model, tok, build(), args, 0.0, greedy=True, real=real)
     for key, v in trajectory_stats(sampled).items():
         row[f"eval/{key}"] = v
     row["eval/success"] = row["eval/win_rate"]
     row["eval/return"] = row["eval/outcome"]
     row["eval/goal_score_se"] = mean_se([ep.score for ep in sampled])[1]
+    row["eval/goal_score_episodes"] = [float(ep.score) for ep in sampled]
     row["eval/win_rate_se"] = row["eval/success_se"] = mean_se([ep.won for ep in sampled])[1]
     greedy_stats = trajectory_stats(greedy)
     row["eval/success_greedy"] = greedy_stats["win_rate"]
@@ -897,7 +937,8 @@ def evaluate(model, tok, new_env, tasks, players, styles, args, real):
     records += [episode_record(ep, "eval_sampled") for ep in sampled[: args.num_logged_episodes]]
     if styles and args.eval_selfplay:
         selfplay = rollout(model, tok, [new_env(task, {p: "policy" for p in players})
-                                        for task in tasks], args, args.eval_temperature, real=real)
+                                        for task in tasks], args, args.eval_temperature, real=real,
+                           noise_keys=[(args.seed, 1, i) for i in range(len(tasks))])
         for key, v in trajectory_stats(selfplay).items():
             if key in ("goal_score", "deal_rate", "episode_length"):
                 row[f"eval/selfplay_{key}"] = v
@@ -965,21 +1006,27 @@ def mean_se(values) -> tuple[float, float]:
 
 
 def learning_summary(first, last, metric):
-    """The run's main evaluation metric before and after training, the change and its standard error
-    (the two evaluations' SEs in quadrature); `rose` / `fell`: the change is above +2 SE / below
-    -2 SE."""
+    """The run's main evaluation metric before and after training, the change and its standard error;
+    `rose` / `fell`: the change is above +2 SE / below -2 SE. When both evaluations hold the metric
+    per episode (`<metric>_episodes`: the same episodes, played with common random numbers) the SE is
+    that of the per-episode differences (`paired`); otherwise the two evaluations' SEs in quadrature,
+    which is also kept as `change_se_quadrature` (the SE two independent evaluations would give)."""
     before, after = float(first[metric]), float(last[metric])
     se0, se1 = float(first.get(metric + "_se", 0.0)), float(last.get(metric + "_se", 0.0))
-    change, se = after - before, math.sqrt(se0 ** 2 + se1 ** 2)
+    change, quadrature = after - before, math.sqrt(se0 ** 2 + se1 ** 2)
+    a, b = first.get(metric + "_episodes"), last.get(metric + "_episodes")
+    paired = a is not None and b is not None and len(a) == len(b) > 1
+    se = mean_se(np.subtract(b, a))[1] if paired else quadrature
     return {"metric": metric, "before": before, "before_se": se0, "after": after, "after_se": se1,
-            "change": change, "change_se": se, "rose": bool(change > 2.0 * se),
-            "fell": bool(change < -2.0 * se)}
+            "change": change, "change_se": se, "change_se_quadrature": quadrature, "paired": paired,
+            "rose": bool(change > 2.0 * se), "fell": bool(change < -2.0 * se)}
 
 
 def print_learning(s):
     print(f"{s['metric']}: {s['before']:.3f} ± {s['before_se']:.3f} before training, "
           f"{s['after']:.3f} ± {s['after_se']:.3f} after "
-          f"({s['change']:+.3f} ± {s['change_se']:.3f})")
+          f"({s['change']:+.3f} ± {s['change_se']:.3f}"
+          + (", SE paired by episode)" if s.get("paired") else ")"))
     if s["fell"]:
         print(f"WARNING: {s['metric']} fell by more than two standard errors ({s['change']:+.3f} ± "
               f"{s['change_se']:.3f}): this run made the policy worse")

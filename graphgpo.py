@@ -494,11 +494,35 @@ def completion_text(tok, completion) -> str:
     return tok.decode(completion, skip_special_tokens=True)
 
 
+class CommonNoise:
+    """Temperature sampling as argmax(logits / T + Gumbel noise), the Gumbel-max trick (exactly a sample
+    of softmax(logits / T)), where row b's noise at its i-th new token comes from its own generator,
+    seeded by (*keys[b], i). The same key gives the same noise whatever else is in the batch, so two
+    policies that play the same evaluation episodes with the same keys sample with common random
+    numbers: they choose the same token wherever their distributions are close, and the change between
+    two evaluations is measured episode by episode, with a smaller standard error than two independent
+    evaluations give (docs/learning.md, "Common random numbers"). A logits processor of `generate`."""
+
+    def __init__(self, keys, temperature, width):
+        self.keys, self.temperature, self.width = keys, temperature, width
+
+    def __call__(self, input_ids, scores):
+        step = input_ids.shape[1] - self.width
+        seeds = [int(np.random.SeedSequence([*key, step]).generate_state(1, np.uint64)[0])
+                 for key in self.keys]
+        u = torch.stack([torch.rand(scores.shape[-1], dtype=torch.float64,
+                                    generator=torch.Generator().manual_seed(seed)) for seed in seeds])
+        gumbel = -torch.log(-torch.log(u))
+        return scores / self.temperature + gumbel.to(scores.device, scores.dtype)
+
+
 @torch.no_grad()
-def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False):
+def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False, noise_keys=None):
     """One batched generate (left padding, top_k=0, top_p=1, stop at EOS); temperature <= 0 is
-    greedy. Returns completion id lists: each row up to and including its first EOS, or all
-    `max_new_tokens` tokens when it has none (every one was sampled, even one equal to pad)."""
+    greedy. `noise_keys` (one tuple of non-negative ints per row): sample with `CommonNoise` instead of
+    generate's own sampler (evaluation). Returns completion id lists: each row up to and including its
+    first EOS, or all `max_new_tokens` tokens when it has none (every one was sampled, even one equal
+    to pad)."""
     if not prompt_ids:
         return []
     device = next(model.parameters()).device
@@ -509,18 +533,23 @@ def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False):
     attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids],
                              dtype=torch.long, device=device)
     sample = not greedy and temperature > 0
-    # top_k=0, top_p=1: true temperature sampling (generate would otherwise fill in top_k=50)
-    kw = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if sample else dict(
-        do_sample=False)
+    if sample and noise_keys is not None:  # argmax of logits / T + each row's own Gumbel noise
+        kw = dict(do_sample=False, logits_processor=[CommonNoise(noise_keys, temperature, width)])
+    elif sample:  # top_k=0, top_p=1: true temperature sampling (else generate fills in top_k=50)
+        kw = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+    else:
+        kw = dict(do_sample=False)
     out = model.generate(input_ids=input_ids, attention_mask=attention,
                          max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=eos, **kw)
     return [row[: row.index(eos) + 1] if eos in row else row for row in out[:, width:].tolist()]
 
 
-def rollout(model, tok, new_env, task_ids, group_ids, temperature, max_new_tokens, greedy=False):
+def rollout(model, tok, new_env, task_ids, group_ids, temperature, max_new_tokens, greedy=False,
+            noise_keys=None):
     """Play one episode per task id, all envs stepped together: one batched generate per turn.
     Records every turn's prompt and completion ids, s_1 = state_key() after reset and s_{t+1}
-    after every step."""
+    after every step. `noise_keys` (evaluation): one key per episode; turn t samples with the common
+    random numbers of (*key, t) (`CommonNoise`)."""
     envs_, episodes = [], []
     for i, (task, g) in enumerate(zip(task_ids, group_ids)):
         env = new_env()
@@ -534,7 +563,9 @@ def rollout(model, tok, new_env, task_ids, group_ids, temperature, max_new_token
         if not active:
             break
         prompts = [encode(tok, render_prompt(tok, envs_[i].messages())) for i in active]
-        completions = generate(model, tok, prompts, temperature, max_new_tokens, greedy=greedy)
+        keys = None if noise_keys is None else [(*noise_keys[i], episodes[i].length) for i in active]
+        completions = generate(model, tok, prompts, temperature, max_new_tokens, greedy=greedy,
+                               noise_keys=keys)
         for k, i in enumerate(active):
             ep = episodes[i]
             step = envs_[i].step(completion_text(tok, completions[k]))
@@ -737,14 +768,20 @@ def episode_record(ep, tag):
 
 def evaluate(model, tok, new_env, tasks, args):
     """Sampled (eval_k per test task, at the training temperature and at the paper's validation
-    temperature 0.4: eval/success_val_temp) and greedy episodes on the test tasks."""
+    temperature 0.4: eval/success_val_temp) and greedy episodes on the test tasks. The sampled
+    episodes draw common random numbers keyed by (seed, stream, episode), the same in every
+    evaluation of the run (and in every run of the seed), so `learning_summary` pairs the first and
+    the last evaluation episode by episode (eval/success_episodes)."""
     tasks_k = [t for t in tasks for _ in range(args.eval_k)]
     budget = args.max_new_tokens
-    episodes = rollout(model, tok, new_env, tasks_k, [0] * len(tasks_k), args.temperature, budget)
-    val = rollout(model, tok, new_env, tasks_k, [0] * len(tasks_k), args.eval_temperature, budget)
+    keys = [[(args.seed, stream, i) for i in range(len(tasks_k))] for stream in (0, 1)]
+    episodes = rollout(model, tok, new_env, tasks_k, [0] * len(tasks_k), args.temperature, budget,
+                       noise_keys=keys[0])
+    val = rollout(model, tok, new_env, tasks_k, [0] * len(tasks_k), args.eval_temperature, budget,
+                  noise_keys=keys[1])
     greedy = rollout(model, tok, new_env, tasks, [0] * len(tasks), 1.0, budget, greedy=True)
     out, n_turns = {}, sum(ep.length for ep in episodes)
-    out["eval/success"], out["eval/success_se"] = mean_se([ep.success for ep in episodes])
+    out["eval/success_episodes"] = [float(ep.success) for ep in episodes]
     for key, eps in (("", episodes), ("_greedy", greedy), ("_val_temp", val)):
         out[f"eval/success{key}"], out[f"eval/success{key}_se"] = mean_se([e.success for e in eps])
     out["eval/return"] = float(np.mean([ep.env_return for ep in episodes]))
@@ -818,21 +855,27 @@ def mean_se(values) -> tuple[float, float]:
 
 
 def learning_summary(first, last, metric):
-    """The run's main evaluation metric before and after training, the change and its standard error
-    (the two evaluations' SEs in quadrature); `rose` / `fell`: the change is above +2 SE / below
-    -2 SE."""
+    """The run's main evaluation metric before and after training, the change and its standard error;
+    `rose` / `fell`: the change is above +2 SE / below -2 SE. When both evaluations hold the metric
+    per episode (`<metric>_episodes`: the same episodes, played with common random numbers) the SE is
+    that of the per-episode differences (`paired`); otherwise the two evaluations' SEs in quadrature,
+    which is also kept as `change_se_quadrature` (the SE two independent evaluations would give)."""
     before, after = float(first[metric]), float(last[metric])
     se0, se1 = float(first.get(metric + "_se", 0.0)), float(last.get(metric + "_se", 0.0))
-    change, se = after - before, math.sqrt(se0 ** 2 + se1 ** 2)
+    change, quadrature = after - before, math.sqrt(se0 ** 2 + se1 ** 2)
+    a, b = first.get(metric + "_episodes"), last.get(metric + "_episodes")
+    paired = a is not None and b is not None and len(a) == len(b) > 1
+    se = mean_se(np.subtract(b, a))[1] if paired else quadrature
     return {"metric": metric, "before": before, "before_se": se0, "after": after, "after_se": se1,
-            "change": change, "change_se": se, "rose": bool(change > 2.0 * se),
-            "fell": bool(change < -2.0 * se)}
+            "change": change, "change_se": se, "change_se_quadrature": quadrature, "paired": paired,
+            "rose": bool(change > 2.0 * se), "fell": bool(change < -2.0 * se)}
 
 
 def print_learning(s):
     print(f"{s['metric']}: {s['before']:.3f} ± {s['before_se']:.3f} before training, "
           f"{s['after']:.3f} ± {s['after_se']:.3f} after "
-          f"({s['change']:+.3f} ± {s['change_se']:.3f})")
+          f"({s['change']:+.3f} ± {s['change_se']:.3f}"
+          + (", SE paired by episode)" if s.get("paired") else ")"))
     if s["fell"]:
         print(f"WARNING: {s['metric']} fell by more than two standard errors ({s['change']:+.3f} ± "
               f"{s['change_se']:.3f}): this run made the policy worse")

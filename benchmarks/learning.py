@@ -59,8 +59,8 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = ("graphgpo", "istar", "delta_belief", "aria", "epo")
 RUNNER_FLAGS = ("--seed", "--torch-threads", "--output-dir", "--exp-name")  # the runner sets these
 RECORD_KEYS = ("bench", "script", "variant", "variant_flags", "extra_flags", "command", "seed", "env_id",
-               "metric", "before", "before_se", "after", "after_se", "change", "change_se", "fell", "greedy",
-               "curve", "credit_means", "perf_means", "method_stats", "wall_seconds", "iterations", "config",
+               "metric", "before", "before_se", "after", "after_se", "change", "change_se", "fell", "paired",
+               "change_se_quadrature", "greedy", "curve", "credit_means", "perf_means", "method_stats", "wall_seconds", "iterations", "config",
                "tiny_policy", "machine", "git", "parallel", "finished_at")
 
 
@@ -305,6 +305,9 @@ def collect(run_dir: Path) -> dict:
              for r in rows if r.get(metric) is not None]
     return {"env_id": config.get("env_id"), **{k: learning[k] for k in (
                 "metric", "before", "before_se", "after", "after_se", "change", "change_se", "fell")},
+            # summaries before common random numbers have neither: their change_se is the quadrature
+            "paired": bool(learning.get("paired", False)),
+            "change_se_quadrature": learning.get("change_se_quadrature", learning["change_se"]),
             "greedy": greedy_block(summary["first_eval"], summary["last_eval"], metric), "curve": curve,
             "credit_means": numeric_means(rows, "credit/"), "perf_means": numeric_means(rows, "perf/"),
             # the method's own end-of-run statistics from summary.json (iStar: the held-out PRM pair accuracy)

@@ -63,6 +63,7 @@ class Table:
     extra: str = ""  # flags for every run (learning.py's `-- ...`); "" measures the script's defaults
     parallel: int = 2  # runs at a time in the runner command (it changes the wall time)
     note: str = ""  # one sentence printed above the table
+    summary: bool = True  # its (method, baseline) pairs are rows of the README's summary and the power table
 
     @property
     def results(self) -> str:  # relative to the repository root, like `doc`
@@ -107,6 +108,16 @@ TABLES = [
           seeds=(7, 8, 9, 10, 11, 12, 13), note="The tiny strategist against the scripted styles (the default); "
                                                     "seeds 7-13, because its defaults were chosen on seeds 4-6."),
 ]
+# The default run of a script and its baseline with the evaluations that draw common random numbers
+# (docs/learning.md, "Common random numbers"), on held-out seeds 4-8: each run's change is measured episode by
+# episode. Not in the summary: the tables above hold more seeds, measured with independent evaluations.
+CRN_SEEDS = (4, 5, 6, 7, 8)
+CRN_NOTE = "Evaluations with common random numbers."
+TABLES += [
+    Table(f"{t.key}_crn", "docs/learning.md", t.script, {v: t.variants[v] for v in (t.method, t.baselines[0])},
+          method=t.method, baselines=t.baselines[:1], seeds=CRN_SEEDS, extra=t.extra, summary=False,
+          note=f"{CRN_NOTE} {t.note}".strip())
+    for t in list(TABLES) if t.key in ("graphgpo", "istar", "delta_belief", "aria")]
 
 
 @dataclass(frozen=True)
@@ -114,7 +125,7 @@ class Summary:
     key: str = "summary"  # <!-- results:summary --> in README.md
     doc: str = "README.md"
     rows: tuple = field(default_factory=lambda: tuple(
-        (t.key, t.method, b) for t in TABLES for b in t.baselines))  # (table key, method, baseline)
+        (t.key, t.method, b) for t in TABLES if t.summary for b in t.baselines))  # (table key, method, baseline)
 
 
 SUMMARY = Summary()
@@ -169,7 +180,7 @@ def variant_stats(runs: dict[int, dict]) -> dict:
     change, change_se = mean_se([r["change"] for r in lines])
     greedy = [r["greedy"] for r in lines if r.get("greedy")]
     walls = [r["wall_seconds"] for r in lines]
-    return {"n": len(lines), "seeds": sorted(runs),
+    return {"n": len(lines), "seeds": sorted(runs), "rose": sum(r["change"] > 2 * r["change_se"] for r in lines),
             "before": statistics.fmean(r["before"] for r in lines), "after": statistics.fmean(r["after"] for r in lines),
             "change": change, "change_se": change_se,
             "per_seed": {s: (runs[s]["change"], runs[s]["change_se"]) for s in sorted(runs)},
@@ -278,25 +289,30 @@ def render_table(table: Table, records: list[dict], with_plot: bool = False) -> 
            f"{'/'.join(map(str, iters))} iterations, seeds {', '.join(map(str, seeds))}. "
            f"Produced by `{table.runner_command()}`. {provenance(lines)}",
            "",
-           f"| variant | command (seed S) | seeds | before | after | change ± SE | greedy before → after"
+           f"| variant | command (seed S) | seeds | before | after | change ± SE | runs > 2 own SE | greedy before → after"
            f"{f' (`{greedy}`)' if greedy else ''} | wall s, median [min, max] |",
-           "|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|"]
     for v, (label, _) in table.variants.items():
         cmd = user_command(table.script, "S", table.flags(v), shlex.split(table.extra))
         if v not in stats:
-            out.append(f"| {label} | `{cmd}` | 0 | not run | | | | |")
+            out.append(f"| {label} | `{cmd}` | 0 | not run | | | | | |")
             continue
         s = stats[v]
         g = f"{s['greedy_before']:.3f} → {s['greedy_after']:.3f}" if s["greedy_metric"] else "not logged"
         out.append(f"| {label} | `{cmd}` | {s['n']} | {s['before']:.3f} | {s['after']:.3f} | "
-                   f"{pm(s['change'], s['change_se'])} | {g} | "
+                   f"{pm(s['change'], s['change_se'])} | {s['rose']}/{s['n']} | {g} | "
                    f"{s['wall_median']:.0f} [{s['wall_min']:.0f}, {s['wall_max']:.0f}] |")
-    out += ["", "Change per seed (± the run's own SE) and the paired difference of the changes on the same seed:", "",
+    paired_eval = any(r.get("paired") for r in lines)
+    own_se = ("± the run's own SE, the first and last evaluation paired episode by episode (common random "
+              "numbers); in brackets the SE of two independent evaluations" if paired_eval else "± the run's own SE")
+    out += ["", f"Change per seed ({own_se}) and the paired difference of the changes on the same seed:", "",
             "| | " + " | ".join(f"seed {s}" for s in seeds) + " | mean ± SE over seeds |",
             "|---|" + "---|" * (len(seeds) + 1)]
     for v, (label, _) in table.variants.items():
         if v in stats:
-            cells = [pm(*stats[v]["per_seed"][s]) if s in runs[v] else "n/a" for s in seeds]
+            cells = [(pm(*stats[v]["per_seed"][s]) + (f" [{runs[v][s]['change_se_quadrature']:.3f}]"
+                                                        if runs[v][s].get("paired") else ""))
+                     if s in runs[v] else "n/a" for s in seeds]
             out.append(f"| {label} change | " + " | ".join(cells) + f" | {pm(stats[v]['change'], stats[v]['change_se'])} |")
     for stat, what in ((paired, ""), (paired_curve, ", mean over the evaluations during training")):
         for b in table.baselines:

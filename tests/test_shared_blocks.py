@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 
 import pytest
+import torch
 
 from conftest import REPO
 
@@ -60,3 +61,66 @@ def test_mean_se_and_learning_summary_by_hand(capsys):
     assert not g.learning_summary(first, {"eval/success": 0.59, "eval/success_se": 0.04}, "eval/success")["rose"]
     g.print_learning(s)
     assert "WARNING" not in capsys.readouterr().out
+
+
+def test_learning_summary_pairs_the_episodes_by_hand():
+    import graphgpo as g
+
+    # the same 10 episodes before and after: 4 of 10 won before, 8 after; the differences are
+    # [1, 1, 1, 1, 0, 0, 0, 0, 0, 0]: mean 0.4, sample std sqrt((4 * 0.6^2 + 6 * 0.4^2) / 9) = 0.516398,
+    # SE 0.516398 / sqrt(10) = 0.163299, so +0.4 is above 2 SE (0.326599): rose
+    before = [0, 0, 0, 0, 0, 0, 1, 1, 1, 1]
+    after = [1, 1, 1, 1, 0, 0, 1, 1, 1, 1]
+    first = {"eval/success": 0.4, "eval/success_se": g.mean_se(before)[1], "eval/success_episodes": before}
+    last = {"eval/success": 0.8, "eval/success_se": g.mean_se(after)[1], "eval/success_episodes": after}
+    s = g.learning_summary(first, last, "eval/success")
+    assert s["paired"] and abs(s["change"] - 0.4) < 1e-12 and abs(s["change_se"] - 0.163299) < 1e-6 and s["rose"]
+    # two independent evaluations would give SEs 0.163299 (p 0.4) and sqrt(0.8 * 0.2 * 10 / 9) / sqrt(10)
+    # = 0.133333 (p 0.8), in quadrature sqrt(0.163299^2 + 0.133333^2) = 0.210819: +0.4 is not above 2 SE
+    assert abs(s["change_se_quadrature"] - 0.210819) < 1e-6
+    # episodes that cannot be paired (a different count) fall back to the quadrature
+    s = g.learning_summary(first, {**last, "eval/success_episodes": after[:9]}, "eval/success")
+    assert not s["paired"] and s["change_se"] == s["change_se_quadrature"] and not s["rose"]
+
+
+def test_common_noise_samples_softmax_at_the_temperature():
+    import graphgpo as g
+
+    # logits 2 * log([0.5, 0.3, 0.2]) at temperature 2: the sampling distribution is [0.5, 0.3, 0.2]
+    n, width, T = 20000, 3, 2.0
+    scores = (T * torch.log(torch.tensor([0.5, 0.3, 0.2]))).repeat(n, 1)
+    noise = g.CommonNoise([(7, i) for i in range(n)], T, width)
+    first = noise(torch.zeros(n, width, dtype=torch.long), scores.clone()).argmax(-1)
+    freq = torch.bincount(first, minlength=3).double() / n
+    # binomial SE of a frequency near 0.5 over 20000 draws: 0.0035; 0.015 is over 4 SE
+    assert torch.allclose(freq, torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64), atol=0.015), freq
+    # the next token of the same rows draws fresh noise: it agrees with the first about
+    # 0.5^2 + 0.3^2 + 0.2^2 = 0.38 of the time, not always
+    second = noise(torch.zeros(n, width + 1, dtype=torch.long), scores.clone()).argmax(-1)
+    assert abs(float((first == second).double().mean()) - 0.38) < 0.02
+    # the same key and step give the same noise, again
+    again = g.CommonNoise([(7, i) for i in range(n)], T, width)(torch.zeros(n, width, dtype=torch.long),
+                                                               scores.clone()).argmax(-1)
+    assert torch.equal(first, again)
+
+
+def test_common_noise_samples_do_not_depend_on_the_batch(random_llama_dir):
+    """A row's completion depends on its prompt and key only: not on the other rows of the batch nor on
+    the global random state, which is what lets two evaluations play the same episodes."""
+    import graphgpo as g
+    from common.models import load_policy
+
+    model, tok = load_policy(str(random_llama_dir), load_in_4bit=False, lora_r=4, lora_alpha=8, device="cpu")
+    prompts = [g.encode(tok, text) for text in ["push the box up", "is it an animal?", "left right", "#P_B#"]]
+    keys = [(3, 0, i, 0) for i in range(4)]
+    torch.manual_seed(0)
+    batch = g.generate(model, tok, prompts, 1.0, 6, noise_keys=keys)
+    torch.manual_seed(1)
+    alone = [g.generate(model, tok, [p], 1.0, 6, noise_keys=[k])[0] for p, k in zip(prompts, keys)]
+    assert batch == alone
+    torch.manual_seed(0)
+    reordered = g.generate(model, tok, prompts[::-1], 1.0, 6, noise_keys=keys[::-1])
+    assert reordered == batch[::-1]
+    # other keys, other samples (a random 2-layer model is close to uniform over ~300 tokens)
+    other = g.generate(model, tok, prompts, 1.0, 6, noise_keys=[(4, 0, i, 0) for i in range(4)])
+    assert other != batch
