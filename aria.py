@@ -411,13 +411,14 @@ def completion_text(tok, completion) -> str:
 
 
 class CommonNoise:
-    """Temperature sampling as argmax(logits / T + Gumbel noise), the Gumbel-max trick (exactly a sample
-    of softmax(logits / T)), where row b's noise at its i-th new token comes from its own generator,
-    seeded by (*keys[b], i). The same key gives the same noise whatever else is in the batch, so two
-    policies that play the same evaluation episodes with the same keys sample with common random
-    numbers: they choose the same token wherever their distributions are close, and the change between
-    two evaluations is measured episode by episode, with a smaller standard error than two independent
-    evaluations give (docs/learning.md, "Common random numbers"). A logits processor of `generate`."""
+    """Temperature sampling as argmax(logits / T + Gumbel noise), the Gumbel-max trick (exactly a
+    sample of softmax(logits / T)), where row b's noise at its i-th new token comes from its own
+    generator, seeded by (*keys[b], i). The same key gives the same noise whatever else is in the
+    batch, so two policies that play the same evaluation episodes with the same keys sample with
+    common random numbers: they choose the same token wherever their distributions are close, and
+    the change between two evaluations is measured episode by episode, with a smaller standard error
+    than two independent evaluations give (docs/learning.md, "Common random numbers"). A logits
+    processor of `generate`."""
 
     def __init__(self, keys, temperature, width):
         self.keys, self.temperature, self.width = keys, temperature, width
@@ -427,7 +428,8 @@ class CommonNoise:
         seeds = [int(np.random.SeedSequence([*key, step]).generate_state(1, np.uint64)[0])
                  for key in self.keys]
         u = torch.stack([torch.rand(scores.shape[-1], dtype=torch.float64,
-                                    generator=torch.Generator().manual_seed(seed)) for seed in seeds])
+                                    generator=torch.Generator().manual_seed(seed))
+                         for seed in seeds])
         gumbel = -torch.log(-torch.log(u))
         return scores / self.temperature + gumbel.to(scores.device, scores.dtype)
 
@@ -435,10 +437,10 @@ class CommonNoise:
 @torch.no_grad()
 def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False, noise_keys=None):
     """One batched generate (left padding, top_k=0, top_p=1, stop at EOS); temperature <= 0 is
-    greedy. `noise_keys` (one tuple of non-negative ints per row): sample with `CommonNoise` instead of
-    generate's own sampler (evaluation). Returns completion id lists: each row up to and including its
-    first EOS, or all `max_new_tokens` tokens when it has none (every one was sampled, even one equal
-    to pad)."""
+    greedy. `noise_keys` (one tuple of non-negative ints per row): sample with `CommonNoise`
+    instead of generate's own sampler (evaluation). Returns completion id lists: each row up to
+    and including its first EOS, or all `max_new_tokens` tokens when it has none (every one was
+    sampled, even one equal to pad)."""
     if not prompt_ids:
         return []
     device = next(model.parameters()).device
@@ -976,11 +978,12 @@ def mean_se(values) -> tuple[float, float]:
 
 
 def learning_summary(first, last, metric):
-    """The run's main evaluation metric before and after training, the change and its standard error;
-    `rose` / `fell`: the change is above +2 SE / below -2 SE. When both evaluations hold the metric
-    per episode (`<metric>_episodes`: the same episodes, played with common random numbers) the SE is
-    that of the per-episode differences (`paired`); otherwise the two evaluations' SEs in quadrature,
-    which is also kept as `change_se_quadrature` (the SE two independent evaluations would give)."""
+    """The run's main evaluation metric before and after training, the change and its standard
+    error; `rose` / `fell`: the change is above +2 SE / below -2 SE. When both evaluations hold the
+    metric per episode (`<metric>_episodes`: the same episodes, played with common random numbers)
+    the SE is that of the per-episode differences (`paired`); otherwise the two evaluations' SEs in
+    quadrature, which is also kept as `change_se_quadrature` (the SE two independent evaluations
+    would give)."""
     before, after = float(first[metric]), float(last[metric])
     se0, se1 = float(first.get(metric + "_se", 0.0)), float(last.get(metric + "_se", 0.0))
     change, quadrature = after - before, math.sqrt(se0 ** 2 + se1 ** 2)

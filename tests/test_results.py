@@ -107,6 +107,22 @@ def test_paired_difference_uses_only_common_seeds(toy_records):
     assert report.paired(runs["m"], {}) is None
 
 
+def test_paired_evaluation_cells_show_both_ses(tmp_path):
+    """A run whose evaluations were paired episode by episode shows its paired SE, and in brackets the SE of
+    two independent evaluations; the sentence above the cells says so. Lines without `paired` (results from
+    before common random numbers) show one SE."""
+    recs = [dict(line("m", 4, 0.40, 0.50, change_se=0.031), paired=True, change_se_quadrature=0.047),
+            line("b", 4, 0.40, 0.45)]
+    path = tmp_path / "toy.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    text = report.render_table(TOY, learning.read_results(path))
+    assert "| Method change | +0.100 ± 0.031 [0.047] | +0.100 ± n/a (1 seed) |" in text
+    assert "| Base change | +0.050 ± 0.030 | +0.050 ± n/a (1 seed) |" in text
+    assert "paired episode by episode (common random numbers); in brackets the SE of two independent" in text
+    # 0.10 > 2 x 0.031: the paired SE decides `rose` (it would not clear 2 x 0.047)
+    assert "| +0.100 ± n/a (1 seed) | 1/1 |" in text
+
+
 def test_paired_curve_by_hand():
     def run(*points):
         return {"curve": [{"iteration": i, "value": v, "se": 0.02} for i, v in points]}
@@ -126,10 +142,11 @@ def test_paired_curve_by_hand():
 
 def test_rendered_tables_show_the_hand_numbers(toy_records):
     text = report.render_table(TOY, toy_records)
-    assert "| Method | `python graphgpo.py --seed S --torch-threads 1` | 3 | 0.450 | 0.600 | +0.150 ± 0.050 | " \
+    # runs above 2 of their own SEs (0.06): m's changes 0.20, 0.05, 0.20 -> 2 of 3; b's 0.10, 0.05, 0.00 -> 1 of 3
+    assert "| Method | `python graphgpo.py --seed S --torch-threads 1` | 3 | 0.450 | 0.600 | +0.150 ± 0.050 | 2/3 | " \
            "0.700 → 0.800 | 200 [100, 300] |" in text
     assert "| Base | `python graphgpo.py --seed S --torch-threads 1 --step-advantage none` | 3 | 0.450 | 0.500 | " \
-           "+0.050 ± 0.029 |" in text
+           "+0.050 ± 0.029 | 1/3 |" in text
     assert "| Method change | +0.200 ± 0.030 | +0.050 ± 0.030 | +0.200 ± 0.030 | +0.150 ± 0.050 |" in text
     assert "| Method − Base (paired) | +0.100 | +0.000 | +0.200 | +0.100 ± 0.058 |" in text
     # the fixture's curves hold iteration 40 only after iteration 0: the same differences as at the end
@@ -214,7 +231,8 @@ def test_every_spec_is_consistent():
         assert t.method in t.variants and set(t.baselines) <= set(t.variants) and t.method not in t.baselines, t.key
         args = learning.parse_args(shlex_split_runner(t.runner_command()))  # the command parses as the runner's
         assert args.variants == {v: t.flags(v) for v in t.variants} and args.seeds == list(t.seeds), t.key
-    assert {(k, m, b) for k, m, b in report.SUMMARY.rows} == {(t.key, t.method, b) for t in report.TABLES for b in t.baselines}
+    assert {(k, m, b) for k, m, b in report.SUMMARY.rows} == {(t.key, t.method, b) for t in report.TABLES if t.summary
+                                                              for b in t.baselines}
 
 
 def test_the_docs_tables_match_the_committed_results():

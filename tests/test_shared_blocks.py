@@ -12,7 +12,7 @@ import torch
 from conftest import REPO
 
 METHODS = ["graphgpo.py", "istar.py", "delta_belief.py", "aria.py", "epo.py"]
-SHARED = ["Sample", "render_prompt", "encode", "completion_text", "generate", "completion_logprobs",
+SHARED = ["Sample", "render_prompt", "encode", "completion_text", "CommonNoise", "generate", "completion_logprobs",
           "mean_se", "learning_summary", "print_learning", "Logger", "start_run", "eval_line",
           "write_summary", "seed_everything"]
 SHARED_WHERE_DEFINED = ["save_adapter", "_padded"]
