@@ -511,11 +511,11 @@ class CommonNoise:
         step = input_ids.shape[1] - self.width
         seeds = [int(np.random.SeedSequence([*key, step]).generate_state(1, np.uint64)[0])
                  for key in self.keys]
-        u = torch.stack([torch.rand(scores.shape[-1], dtype=torch.float64,
-                                    generator=torch.Generator().manual_seed(seed))
+        # drawn where the logits are: a GPU draws its own numbers, no vocabulary-wide copy per token
+        u = torch.stack([torch.rand(scores.shape[-1], dtype=torch.float64, device=scores.device,
+                                    generator=torch.Generator(scores.device).manual_seed(seed))
                          for seed in seeds])
-        gumbel = -torch.log(-torch.log(u))
-        return scores / self.temperature + gumbel.to(scores.device, scores.dtype)
+        return scores / self.temperature - torch.log(-torch.log(u)).to(scores.dtype)
 
 
 @torch.no_grad()

@@ -80,6 +80,7 @@ def learning_tables(runs, modes, seeds):
     """Per seed: before, after, change (± standard error over the evaluation episodes); over seeds: mean,
     spread; the learning targets and the paper's ordering."""
     lines = ["Sampled test success per seed (± standard error over the evaluation episodes; the change: the "
+             "SE summary.json gives, of the per-game differences in runs with common random numbers, else the "
              "two in quadrature):", "", "| method | seed | before | after | change | greedy before → after |",
              "|---|---|---|---|---|---|"]
     changes, finals = {}, {}

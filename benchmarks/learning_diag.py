@@ -25,8 +25,9 @@ on a tiny Sokoban checkpoint, and appends one JSON line per run to <out>/results
   own visited solvable states labelled by the expert (`--data dagger`).
 - `evalnoise`: `--evals` sampled evaluations (T=1, one episode per level, torch seeds 100, 101, ...) of
   one unchanged policy on all 200 test levels. Each consecutive pair is a change whose true value is 0;
-  for it, the standard error the scripts report (the two evaluations' SEs in quadrature) and the SE of
-  the per-level differences (the evaluations paired by level). Their ratio says how much of the noise
+  for it, the standard error of two independent evaluations (their SEs in quadrature, what the scripts
+  reported before their evaluations drew common random numbers) and the SE of the per-level
+  differences (the evaluations paired by level). Their ratio says how much of the noise
   of a change is the levels' own difficulty, which pairing by level would remove.
 """
 
