@@ -303,8 +303,8 @@ def render_table(table: Table, records: list[dict], with_plot: bool = False) -> 
                    f"{pm(s['change'], s['change_se'])} | {s['rose']}/{s['n']} | {g} | "
                    f"{s['wall_median']:.0f} [{s['wall_min']:.0f}, {s['wall_max']:.0f}] |")
     paired_eval = any(r.get("paired") for r in lines)
-    own_se = ("± the run's own SE, the first and last evaluation paired episode by episode (common random "
-              "numbers); in brackets the SE of two independent evaluations" if paired_eval else "± the run's own SE")
+    own_se = ("± the run's own SE: the first and last evaluation paired episode by episode, with common random "
+              "numbers; in brackets the SE of two independent evaluations" if paired_eval else "± the run's own SE")
     out += ["", f"Change per seed ({own_se}) and the paired difference of the changes on the same seed:", "",
             "| | " + " | ".join(f"seed {s}" for s in seeds) + " | mean ± SE over seeds |",
             "|---|" + "---|" * (len(seeds) + 1)]

@@ -118,7 +118,7 @@ def test_paired_evaluation_cells_show_both_ses(tmp_path):
     text = report.render_table(TOY, learning.read_results(path))
     assert "| Method change | +0.100 ± 0.031 [0.047] | +0.100 ± n/a (1 seed) |" in text
     assert "| Base change | +0.050 ± 0.030 | +0.050 ± n/a (1 seed) |" in text
-    assert "paired episode by episode (common random numbers); in brackets the SE of two independent" in text
+    assert "paired episode by episode, with common random numbers; in brackets the SE of two independent" in text
     # 0.10 > 2 x 0.031: the paired SE decides `rose` (it would not clear 2 x 0.047)
     assert "| +0.100 ± n/a (1 seed) | 1/1 |" in text
 
