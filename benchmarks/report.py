@@ -115,10 +115,15 @@ TABLES = [
 # evaluations.
 CRN_SEEDS = {"graphgpo": (4, 5, 6, 7, 8), "istar": (4, 5, 6, 7, 8), "delta_belief": (4, 5, 6, 7, 8), "aria": SEEDS,
              "epo": (7, 8, 9, 10, 11)}
+# Baselines only these tables have: ΔBelief's turn-wise GRPO without the belief term, which separates what
+# the belief gain adds from what the per-turn normalisation adds (docs/learning.md).
+CRN_EXTRA = {"delta_belief": {"lam0": ("turn-wise GRPO (λ 0)", "--lam 0")}}
 CRN_NOTE = "Evaluations with common random numbers."
 TABLES += [
-    Table(f"{t.key}_crn", "docs/learning.md", t.script, {v: t.variants[v] for v in (t.method, *t.baselines)},
-          method=t.method, baselines=t.baselines, seeds=CRN_SEEDS[t.key], extra=t.extra, summary=False,
+    Table(f"{t.key}_crn", "docs/learning.md", t.script,
+          {**{v: t.variants[v] for v in (t.method, *t.baselines)}, **CRN_EXTRA.get(t.key, {})},
+          method=t.method, baselines=(*t.baselines, *CRN_EXTRA.get(t.key, {})), seeds=CRN_SEEDS[t.key],
+          extra=t.extra, summary=False,
           note=f"{CRN_NOTE} {t.note}".strip())
     for t in list(TABLES) if t.key in CRN_SEEDS]
 
