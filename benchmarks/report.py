@@ -126,6 +126,13 @@ TABLES += [
           extra=t.extra, summary=False,
           note=f"{CRN_NOTE} {t.note}".strip())
     for t in list(TABLES) if t.key in CRN_SEEDS]
+# ΔBelief and StarPO with 8 secrets x 4 games per iteration instead of 4 x 8: the same games, so the same
+# time, spread over twice the secrets; the experiment on the training spread of ΔBelief's row, chosen on
+# seeds 1-3 (docs/delta_belief.md).
+TABLES.append(Table("delta_belief_t8g4_crn", "docs/delta_belief.md", "delta_belief",
+                    {"delta": ("ΔBelief-RL", ""), "starpo": ("StarPO", "--reward-mode starpo")}, method="delta",
+                    baselines=("starpo",), seeds=(4, 5, 6, 7, 8), extra="--tasks-per-iteration 8 --group-size 4",
+                    summary=False, note=f"{CRN_NOTE} 8 secrets x 4 games per iteration."))
 
 
 @dataclass(frozen=True)
