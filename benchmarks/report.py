@@ -15,8 +15,9 @@ What each table shows is declared once, in TABLES and SUMMARY below. A `Table` n
 its variants (the flags of each, as passed to benchmarks/learning.py), which variant is the method and
 which are its baselines, the seeds, and the doc holding its markers; its raw results are
 docs/results/<key>.jsonl, written by `python benchmarks/learning.py` (run `--commands` for the exact
-command). Only result lines whose script, variant flags and extra flags match the Table are used; of
-repeated (variant, seed) lines the last one counts. Per variant the table gives the main metric before
+command). Only result lines whose script, variant flags and extra flags match the Table are used (when a
+script's defaults changed after its runs, the Table's `earlier` flags restore them in the commands shown,
+and the lines count whose config has those values); of repeated (variant, seed) lines the last one counts. Per variant the table gives the main metric before
 and after training (means over seeds), the mean change ± SE over seeds (SE = sample std / sqrt(n)), the
 greedy metric before → after, and the median [min, max] wall time per run; per seed each change with its
 run's own SE; per (method, baseline) the paired difference of the changes on the same seed, mean ± SE over
@@ -64,6 +65,12 @@ class Table:
     parallel: int = 2  # runs at a time in the runner command (it changes the wall time)
     note: str = ""  # one sentence printed above the table
     summary: bool = True  # its (method, baseline) pairs are rows of the README's summary and the power table
+    earlier: str = ""  # flags restoring the defaults the runs had, when the script's defaults changed since:
+    # part of the commands shown; lines run without them count if their config has these values
+
+    @property
+    def extras(self) -> list[str]:  # the flags after `--` that reproduce the table's runs
+        return shlex.split(self.extra) + shlex.split(self.earlier)
 
     @property
     def results(self) -> str:  # relative to the repository root, like `doc`
@@ -80,7 +87,7 @@ class Table:
         variants = " ".join(f"{n}=" + (shlex.quote(f) if f else "") for n, (_, f) in self.variants.items())
         cmd = (f"python benchmarks/learning.py --script {self.script} --variants {variants} --seeds "
                f"{' '.join(map(str, self.seeds))} --parallel {self.parallel} --out docs/results/{self.key}.jsonl")
-        return cmd + (f" -- {self.extra}" if self.extra else "")
+        return cmd + (f" -- {shlex.join(self.extras)}" if self.extras else "")
 
 
 TABLES = [
@@ -91,9 +98,18 @@ TABLES = [
     Table("istar", "docs/istar.md", "istar",
           {"istar": ("iStar (RLOO)", ""), "rloo": ("RLOO", "--alpha 0")}, method="istar", baselines=("rloo",)),
     Table("delta_belief", "docs/delta_belief.md", "delta_belief",
-          {"delta": ("ΔBelief-RL", ""), "starpo": ("StarPO", "--reward-mode starpo")},
-          method="delta", baselines=("starpo",), seeds=tuple(range(4, 16)),
-          note="Twenty Questions with compound secrets (the default env); the test secrets are unseen thing-colour pairs."),
+          {"delta": ("ΔBelief-RL (4 × 8)", ""), "starpo": ("StarPO (4 × 8)", "--reward-mode starpo")},
+          method="delta", baselines=("starpo",), seeds=tuple(range(4, 16)), earlier="--tasks-per-iteration 4 --group-size 8",
+          note="Twenty Questions with compound secrets (the default env); the test secrets are unseen thing-colour pairs. "
+               "The earlier default of 4 secrets × 8 games per iteration."),
+    # The default since: 8 secrets x 4 games per iteration, the same games as 4 x 8 (so the same time) spread
+    # over twice the secrets, against the training spread of the row above; chosen on seeds 1-3, evaluated with
+    # common random numbers (docs/delta_belief.md).
+    Table("delta_belief_t8g4_crn", "docs/delta_belief.md", "delta_belief",
+          {"delta": ("ΔBelief-RL", ""), "starpo": ("StarPO", "--reward-mode starpo")}, method="delta",
+          baselines=("starpo",), seeds=(4, 5, 6, 7, 8), extra="--tasks-per-iteration 8 --group-size 4",
+          note="Evaluations with common random numbers. Twenty Questions with compound secrets; 8 secrets × 4 "
+               "games per iteration (the default)."),
     Table("aria", "docs/aria.md", "aria",
           {"aria": ("ARIA", ""), "reinforce": ("REINFORCE", "--no-aggregate")}, method="aria",
           baselines=("reinforce",),
@@ -123,16 +139,9 @@ TABLES += [
     Table(f"{t.key}_crn", "docs/learning.md", t.script,
           {**t.variants, **CRN_EXTRA.get(t.key, {})},
           method=t.method, baselines=(*t.baselines, *CRN_EXTRA.get(t.key, {})), seeds=CRN_SEEDS[t.key],
-          extra=t.extra, summary=False,
+          extra=t.extra, earlier=t.earlier, summary=False,
           note=f"{CRN_NOTE} {t.note}".strip())
     for t in list(TABLES) if t.key in CRN_SEEDS]
-# ΔBelief and StarPO with 8 secrets x 4 games per iteration instead of 4 x 8: the same games, so the same
-# time, spread over twice the secrets; the experiment on the training spread of ΔBelief's row, chosen on
-# seeds 1-3 (docs/delta_belief.md).
-TABLES.append(Table("delta_belief_t8g4_crn", "docs/delta_belief.md", "delta_belief",
-                    {"delta": ("ΔBelief-RL", ""), "starpo": ("StarPO", "--reward-mode starpo")}, method="delta",
-                    baselines=("starpo",), seeds=(4, 5, 6, 7, 8), extra="--tasks-per-iteration 8 --group-size 4",
-                    summary=False, note=f"{CRN_NOTE} 8 secrets x 4 games per iteration."))
 
 
 @dataclass(frozen=True)
@@ -183,9 +192,21 @@ def select(table: Table, records: list[dict]) -> dict[str, dict[int, dict]]:
     for r in records:
         v = r.get("variant")
         if (v in table.variants and r.get("script") == f"{table.script}.py" and r.get("seed") in table.seeds
-                and r.get("variant_flags") == table.flags(v) and r.get("extra_flags") == shlex.split(table.extra)):
+                and r.get("variant_flags") == table.flags(v)
+                and (r.get("extra_flags") == table.extras
+                     or (table.earlier and r.get("extra_flags") == shlex.split(table.extra)
+                         and config_has(r.get("config", {}), shlex.split(table.earlier))))):
             out[v][r["seed"]] = r
     return out
+
+
+def config_has(config: dict, flags: list[str]) -> bool:
+    """Whether a run's config.json has the values of `--name value` flags (compared as text), e.g.
+    ["--group-size", "8"] and {"group_size": 8}."""
+    if len(flags) % 2:
+        raise ValueError(f"flags must be --name value pairs: {flags}")
+    return all(f.startswith("--") and str(config.get(f[2:].replace("-", "_"))) == v
+               for f, v in zip(flags[::2], flags[1::2]))
 
 
 def variant_stats(runs: dict[int, dict]) -> dict:
@@ -308,7 +329,7 @@ def render_table(table: Table, records: list[dict], with_plot: bool = False) -> 
            f"{f' (`{greedy}`)' if greedy else ''} | wall s, median [min, max] |",
            "|---|---|---|---|---|---|---|---|---|"]
     for v, (label, _) in table.variants.items():
-        cmd = user_command(table.script, "S", table.flags(v), shlex.split(table.extra))
+        cmd = user_command(table.script, "S", table.flags(v), table.extras)
         if v not in stats:
             out.append(f"| {label} | `{cmd}` | 0 | not run | | | | | |")
             continue
@@ -359,7 +380,7 @@ def render_summary(summary: Summary, records_by_table: dict[str, list[dict]], ta
            "| seeds | wall s per run (median; one thread per run, load above the cores means a shared machine) | command |",
            "|---|---|---|---|---|---|---|---|---|"]
     for t, m, b, runs in summary_pairs(summary, records_by_table, tables):
-        cmd = user_command(t.script, "S", t.flags(m), shlex.split(t.extra))
+        cmd = user_command(t.script, "S", t.flags(m), t.extras)
         label_m, label_b = t.variants[m][0], f"{t.variants[b][0]}" + (f" (`{t.variants[b][1]}`)" if t.variants[b][1] else "")
         if not runs[m] or not runs[b]:
             out.append(f"| {label_m} | {label_b} | | not run yet | | | | | `{cmd}` |")

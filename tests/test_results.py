@@ -107,6 +107,25 @@ def test_paired_difference_uses_only_common_seeds(toy_records):
     assert report.paired(runs["m"], {}) is None
 
 
+def test_earlier_defaults_select_lines_by_their_config():
+    """A table whose runs had defaults the script no longer has: its commands carry the flags that restore
+    them, and it takes the lines run with those flags or run without flags at those config values; a line
+    run without flags at other values (the new defaults) is not its."""
+    table = report.Table("toy", "docs/toy.md", "graphgpo", {"m": ("Method", "")}, method="m", baselines=(),
+                         seeds=(4, 5, 6, 7), earlier="--group-size 8 --lr 0.5")
+    old = dict(line("m", 4, 0.4, 0.5), config={"group_size": 8, "lr": 0.5})
+    new = dict(line("m", 5, 0.4, 0.5), config={"group_size": 4, "lr": 0.5})
+    flagged = dict(line("m", 6, 0.4, 0.5), extra_flags=["--group-size", "8", "--lr", "0.5"],
+                   config={"group_size": 8, "lr": 0.5})
+    half = dict(line("m", 7, 0.4, 0.5), config={"group_size": 8})  # no lr in its config: not a match
+    assert sorted(report.select(table, [old, new, flagged, half])["m"]) == [4, 6]
+    assert table.runner_command().endswith("--out docs/results/toy.jsonl -- --group-size 8 --lr 0.5")
+    assert report.config_has({"group_size": 8}, ["--group-size", "8"])
+    assert not report.config_has({"group_size": 4}, ["--group-size", "8"])
+    with pytest.raises(ValueError):
+        report.config_has({}, ["--group-size"])
+
+
 def test_paired_evaluation_cells_show_both_ses(tmp_path):
     """A run whose evaluations were paired episode by episode shows its paired SE, and in brackets the SE of
     two independent evaluations; the sentence above the cells says so. Lines without `paired` (results from
