@@ -106,8 +106,9 @@ TABLES = [
     # over twice the secrets, against the training spread of the row above; chosen on seeds 1-3, evaluated with
     # common random numbers (docs/delta_belief.md).
     Table("delta_belief_t8g4_crn", "docs/delta_belief.md", "delta_belief",
-          {"delta": ("ΔBelief-RL", ""), "starpo": ("StarPO", "--reward-mode starpo")}, method="delta",
-          baselines=("starpo",), seeds=(4, 5, 6, 7, 8), extra="--tasks-per-iteration 8 --group-size 4",
+          {"delta": ("ΔBelief-RL", ""), "starpo": ("StarPO", "--reward-mode starpo"),
+           "lam0": ("turn-wise GRPO (λ 0)", "--lam 0")}, method="delta",
+          baselines=("starpo", "lam0"), seeds=(4, 5, 6, 7, 8), extra="--tasks-per-iteration 8 --group-size 4",
           note="Evaluations with common random numbers. Twenty Questions with compound secrets; 8 secrets × 4 "
                "games per iteration (the default)."),
     Table("aria", "docs/aria.md", "aria",
