@@ -17,8 +17,8 @@ which are its baselines, the seeds, and the doc holding its markers; its raw res
 docs/results/<key>.jsonl, written by `python benchmarks/learning.py` (run `--commands` for the exact
 command). Only result lines whose script, variant flags and extra flags match the Table are used (when a
 script's defaults changed after its runs, the Table's `earlier` flags restore them in the commands shown,
-and the lines count whose config has those values); of repeated (variant, seed) lines the last one counts. Per variant the table gives the main metric before
-and after training (means over seeds), the mean change ± SE over seeds (SE = sample std / sqrt(n)), the
+and the lines count whose config has those values); of repeated (variant, seed) lines the last one
+counts. Per variant the table gives the main metric before and after training (means over seeds), the mean change ± SE over seeds (SE = sample std / sqrt(n)), the
 greedy metric before → after, and the median [min, max] wall time per run; per seed each change with its
 run's own SE; per (method, baseline) the paired difference of the changes on the same seed, mean ± SE over
 seeds, and, as a secondary statistic, the paired difference averaged over the evaluations during training
@@ -102,7 +102,7 @@ TABLES = [
           method="delta", baselines=("starpo",), seeds=tuple(range(4, 16)), earlier="--tasks-per-iteration 4 --group-size 8",
           note="Twenty Questions with compound secrets (the default env); the test secrets are unseen thing-colour pairs. "
                "The earlier default of 4 secrets × 8 games per iteration."),
-    # The default since: 8 secrets x 4 games per iteration, the same games as 4 x 8 (so the same time) spread
+    # The default since 2026-11-26: 8 secrets x 4 games per iteration, the same games as 4 x 8 (so the same time) spread
     # over twice the secrets, against the training spread of the row above; chosen on seeds 1-3, evaluated with
     # common random numbers (docs/delta_belief.md).
     Table("delta_belief_t8g4_crn", "docs/delta_belief.md", "delta_belief",
