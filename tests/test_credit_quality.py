@@ -239,3 +239,28 @@ def test_istar_adapter_trains_its_prm_as_the_script_does(tiny_cache, monkeypatch
     lr = istar.PRESETS["tiny"]["prm_learning_rate"]
     assert seen == [(0, lr), (1, lr), (2, lr)]
     assert res["prm_learning_rate"] == lr and res["prm_replay"] == istar.PRESETS["tiny"]["prm_replay"]
+
+
+def test_delta_belief_adapter_scores_three_credits_on_a_micro_policy(tiny_cache, one_thread, monkeypatch):
+    """ΔBelief at the script's λ, StarPO, and ΔBelief at λ 0 (the same turn-wise normalisation without the
+    belief gain), each at the batch's group size (4) and at its subgroups of 2."""
+    import delta_belief
+
+    seen = []
+    original = delta_belief.compute_advantages
+
+    def recording(episodes, args, signal=None):
+        seen.append((args.reward_mode, args.lam))
+        return original(episodes, args, signal)
+
+    monkeypatch.setattr(delta_belief, "compute_advantages", recording)
+    res = cq.delta_belief_batch(cq.Config(tasks=1, group=4, n=1, turns=4, seed=1),
+                                argv=["--tiny-preset", "micro", "--max-turns", "2", "--max-new-tokens", "8"])
+    assert res["labels"] == ["ΔBelief", "StarPO", "λ 0"] and res["turns_scored"] == 4
+    lam = delta_belief.Args.lam
+    assert lam > 0 and seen == [("delta", lam), ("starpo", lam), ("delta", 0.0)] * 2  # G = 2, then G = 4
+    by_traj = {}
+    for r in res["rows"]:
+        assert set(r["credit"]) == set(res["labels"]) and set(r["credit_by_group_size"]) == {"2"}
+        by_traj.setdefault(r["traj"], set()).add(r["credit"]["StarPO"])
+    assert all(len(v) == 1 for v in by_traj.values())  # StarPO: one advantage for all of an episode's turns
