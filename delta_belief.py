@@ -127,7 +127,8 @@ class Args:
     reward_mode: Literal["delta", "starpo"] = "delta"
     """'delta': ΔBelief turn rewards + turn-wise GRPO; 'starpo': trajectory-level GRPO (baseline)"""
     num_iterations: int = 64
-    """training iterations (rollout + update; 64 chosen over 32 on the tuning seeds, docs/delta_belief.md)"""
+    """training iterations (rollout + update; 64 chosen over 32 on the tuning seeds,
+    docs/delta_belief.md)"""
     tasks_per_iteration: int = 8
     """distinct secrets per iteration (official: 240 on GPUs)"""
     group_size: int = 4
