@@ -461,9 +461,9 @@ def delta_belief_batch(cfg: Config, env_id: str = "twenty_questions", argv: Sequ
     """ΔBelief's turn advantages (delta_belief.py's `rollout` with the policy's own beliefs and
     `compute_advantages`, --reward-mode delta), StarPO's (--reward-mode starpo: the trajectory
     advantage on every turn) and ΔBelief's with λ 0 (--lam 0: the same turn-wise normalisation of the
-    task's own per-turn rewards, without the belief gain) on one batch, and A* of its turns. The return is the task's (StarPO's):
-    win_reward on a win, minus turn_penalty per turn, invalid_penalty per invalid and repeat_penalty per
-    repeated question."""
+    task's own per-turn rewards, without the belief gain) on one batch, and A* of its turns. The return
+    is the task's (StarPO's): win_reward on a win, minus turn_penalty per turn, invalid_penalty per
+    invalid and repeat_penalty per repeated question."""
     import dataclasses
 
     import torch
@@ -524,8 +524,8 @@ def delta_belief_batch(cfg: Config, env_id: str = "twenty_questions", argv: Sequ
                              credit_by_group_size={str(s): {lab: c[(ep.traj_id, t)] for lab, c in cs.items()}
                                                    for s, cs in by_size.items() if s != G}))
     with torch.no_grad():
-        return _finish("delta_belief", env_id, ("ΔBelief", "StarPO", "λ 0"), rows, states, texts, keys, rets,
-                       model_policy(db, model, tok, args.temperature, args.max_new_tokens), cfg,
+        return _finish("delta_belief", env_id, ("ΔBelief", "StarPO", "λ 0"), rows, states, texts, keys,
+                       rets, model_policy(db, model, tok, args.temperature, args.max_new_tokens), cfg,
                        dict(episodes=len(episodes), success=float(np.mean([e.success for e in episodes])),
                             return_measured=(f"{args.win_reward:g} x win - {args.turn_penalty:g} x turns - "
                                              f"{args.invalid_penalty:g} x invalid - {args.repeat_penalty:g} x repeated")))

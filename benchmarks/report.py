@@ -18,11 +18,12 @@ docs/results/<key>.jsonl, written by `python benchmarks/learning.py` (run `--com
 command). Only result lines whose script, variant flags and extra flags match the Table are used (when a
 script's defaults changed after its runs, the Table's `earlier` flags restore them in the commands shown,
 and the lines count whose config has those values); of repeated (variant, seed) lines the last one
-counts. Per variant the table gives the main metric before and after training (means over seeds), the mean change ± SE over seeds (SE = sample std / sqrt(n)), the
-greedy metric before → after, and the median [min, max] wall time per run; per seed each change with its
-run's own SE; per (method, baseline) the paired difference of the changes on the same seed, mean ± SE over
-seeds, and, as a secondary statistic, the paired difference averaged over the evaluations during training
-(how far ahead a method was before the end). SUMMARY is the cross-method table in README.md: one row per
+counts. Per variant the table gives the main metric before and after training (means over seeds), the
+mean change ± SE over seeds (SE = sample std / sqrt(n)), the greedy metric before → after, and the
+median [min, max] wall time per run; per seed each change with its run's own SE; per (method,
+baseline) the paired difference of the changes on the same seed, mean ± SE over seeds, and, as a
+secondary statistic, the paired difference averaged over the evaluations during training (how far
+ahead a method was before the end). SUMMARY is the cross-method table in README.md: one row per
 (method, baseline) pair. POWER_DOC holds the power table: per pair of SUMMARY, how much the paired
 difference varies from seed to seed, how much of that the final evaluations' own noise explains, the
 smallest difference the seeds resolve at 2 SE and the seeds the current mean would need. Markers that
