@@ -219,6 +219,26 @@ def test_belief_equals_hand_computed_target_logprob(micro_policy):
         assert b < 0
 
 
+def test_token_logprobs_sorted_micro_batches_keep_each_samples_own_logprobs(micro_policy):
+    """token_logprobs scores in length-sorted micro-batches; each sample's vector must come back in
+    its own place and equal the sample scored alone, unpadded (a full forward, by hand)."""
+    import torch
+
+    model, tok = micro_policy
+    g = torch.Generator().manual_seed(3)
+    lengths = [(9, 2), (3, 1), (14, 3), (5, 2), (11, 1), (4, 3), (8, 2)]  # unsorted on purpose
+    samples = [db.Sample(torch.randint(5, 60, (p,), generator=g).tolist(),
+                      torch.randint(5, 60, (c,), generator=g).tolist(), 0, i, 0)
+               for i, (p, c) in enumerate(lengths)]
+    got = db.token_logprobs(model, tok, samples, "default", micro_batch_size=3)
+    for x, lp in zip(samples, got):
+        full = torch.tensor([x.prompt + x.completion])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=full).logits[0].double(), dim=-1)
+        want = [float(logp[len(x.prompt) + k - 1, c]) for k, c in enumerate(x.completion)]
+        assert lp.tolist() == pytest.approx(want, abs=1e-4), (len(x.prompt), len(x.completion))
+
+
 def test_beliefs_on_some_games_play_the_same_games(micro_policy):
     """The evaluation reads beliefs on the first of its k games per secret only: reading a belief samples
     nothing, so the games played (and every success) are those of a rollout that reads them all."""
