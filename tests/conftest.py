@@ -53,6 +53,25 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(f"SKIPPED the SmolLM2 tests, download failed: {msg}", yellow=True, bold=True)
 
 
+def _run_script(script: str, args: list, out: Path, tiny_cache: Path, timeout: int) -> Path:
+    """Run a method script as a subprocess writing under `out`; assert exit 0 (showing the output on
+    failure) and return the one run directory it wrote. Adds `--model-name tiny --tiny-preset micro`
+    unless given."""
+    args = list(args)
+    if "--model-name" not in args:
+        args += ["--model-name", "tiny"]
+    if "--tiny-preset" not in args and args[args.index("--model-name") + 1] == "tiny":
+        args += ["--tiny-preset", "micro"]
+    args += ["--output-dir", str(out)]
+    env = dict(os.environ, CREDIT_TINY_CACHE=str(tiny_cache), PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, str(REPO / script), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{script} exited {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+    runs = [p for p in out.iterdir() if p.is_dir()]
+    assert len(runs) == 1, f"expected one run dir in {out}, found {runs}"
+    return runs[0]
+
+
 @pytest.fixture
 def run_method(tiny_cache, tmp_path):
     """Run a method script as a subprocess: `run_method("graphgpo.py", "--num-iterations", "1")`.
@@ -62,22 +81,33 @@ def run_method(tiny_cache, tmp_path):
     """
 
     def _run(script: str, *args: str, timeout: int = 600) -> Path:
-        args = list(args)
-        if "--model-name" not in args:
-            args += ["--model-name", "tiny"]
-        if "--tiny-preset" not in args and args[args.index("--model-name") + 1] == "tiny":
-            args += ["--tiny-preset", "micro"]
-        out = tmp_path / "runs"
-        args += ["--output-dir", str(out)]
-        env = dict(os.environ, CREDIT_TINY_CACHE=str(tiny_cache), PYTHONUNBUFFERED="1")
-        proc = subprocess.run([sys.executable, str(REPO / script), *args], cwd=REPO, env=env,
-                              capture_output=True, text=True, timeout=timeout)
-        assert proc.returncode == 0, f"{script} exited {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-6000:]}"
-        runs = [p for p in out.iterdir() if p.is_dir()]
-        assert len(runs) == 1, f"expected one run dir in {out}, found {runs}"
-        return runs[0]
+        return _run_script(script, list(args), tmp_path / "runs", tiny_cache, timeout)
 
     return _run
+
+
+# Two runs at a time: the project's machines have two cores and a run at one torch thread uses one, so
+# tests that need several subprocess runs start them together instead of leaving a core idle.
+PARALLEL_RUNS = max(1, min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def method_pool(tiny_cache):
+    """Start method-script runs in the background, PARALLEL_RUNS at a time, each at one torch thread:
+    `future = method_pool("graphgpo.py", *flags, out=folder)`; `future.result()` waits and returns the
+    run directory, or raises what `run_method` would (a failed run's exit code and output)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(max_workers=PARALLEL_RUNS, thread_name_prefix="method_run")
+
+    def submit(script: str, *args: str, out: Path, timeout: int = 600):
+        args = list(args)
+        if "--torch-threads" not in args:
+            args += ["--torch-threads", "1"]
+        return pool.submit(_run_script, script, args, out, tiny_cache, timeout)
+
+    yield submit
+    pool.shutdown(wait=True, cancel_futures=True)
 
 
 def load_benchmark(name: str):

@@ -5,6 +5,7 @@ tokens must become the same training tokens whatever the method."""
 from __future__ import annotations
 
 import ast
+import functools
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ SHARED = ["Sample", "render_prompt", "encode", "completion_text", "CommonNoise",
 SHARED_WHERE_DEFINED = ["save_adapter", "_padded"]
 
 
+@functools.lru_cache(maxsize=None)  # one parse per file for the whole module (get_source_segment is slow)
 def _blocks(name: str) -> dict[str, str]:
     text = (REPO / name).read_text()
     out = {}
