@@ -116,9 +116,10 @@ TABLES = [
                "games per iteration (the default), for the earlier 32 iterations."),
     # The default since later on 2026-11-26: 64 iterations of 8 x 4, evaluated at 32 and 64; chosen over 32 on
     # seeds 1-3 (docs/delta_belief.md, "Twice the iterations").
+    # Seeds 9-10 added on 2026-11-27 at commit 8fda9d8 (length-sorted micro-batches: the same maths, other rounding).
     Table("delta_belief_it64_crn", "docs/delta_belief.md", "delta_belief",
           {"delta": ("ΔBelief-RL", ""), "starpo": ("StarPO", "--reward-mode starpo")}, method="delta",
-          baselines=("starpo",), seeds=(4, 5, 6, 7, 8), extra="--num-iterations 64 --eval-every 32",
+          baselines=("starpo",), seeds=tuple(range(4, 11)), extra="--num-iterations 64 --eval-every 32",
           note="Evaluations with common random numbers. Twenty Questions with compound secrets; 64 iterations of "
                "8 secrets × 4 games (the default)."),
     Table("aria", "docs/aria.md", "aria",
