@@ -1,5 +1,6 @@
-"""Shared fixtures: a per-session tiny-model cache, running a method script end to end, and checking
-what a run wrote. Every method's end-to-end test uses these (write each thing once)."""
+"""Shared fixtures: a per-session tiny-model cache, running method scripts end to end (two at a time, in
+the background), and checking what a run wrote. Every method's end-to-end test uses these (write each
+thing once)."""
 
 from __future__ import annotations
 
@@ -72,20 +73,6 @@ def _run_script(script: str, args: list, out: Path, tiny_cache: Path, timeout: i
     return runs[0]
 
 
-@pytest.fixture
-def run_method(tiny_cache, tmp_path):
-    """Run a method script as a subprocess: `run_method("graphgpo.py", "--num-iterations", "1")`.
-
-    Adds `--model-name tiny --tiny-preset micro --output-dir <tmp>` unless given, asserts exit 0
-    (showing the output on failure) and returns the run directory it wrote.
-    """
-
-    def _run(script: str, *args: str, timeout: int = 600) -> Path:
-        return _run_script(script, list(args), tmp_path / "runs", tiny_cache, timeout)
-
-    return _run
-
-
 # Two runs at a time: the project's machines have two cores and a run at one torch thread uses one, so
 # tests that need several subprocess runs start them together instead of leaving a core idle.
 PARALLEL_RUNS = max(1, min(2, os.cpu_count() or 1))
@@ -95,7 +82,7 @@ PARALLEL_RUNS = max(1, min(2, os.cpu_count() or 1))
 def method_pool(tiny_cache):
     """Start method-script runs in the background, PARALLEL_RUNS at a time, each at one torch thread:
     `future = method_pool("graphgpo.py", *flags, out=folder)`; `future.result()` waits and returns the
-    run directory, or raises what `run_method` would (a failed run's exit code and output)."""
+    run directory, or raises an AssertionError with a failed run's exit code and the end of its output."""
     from concurrent.futures import ThreadPoolExecutor
 
     pool = ThreadPoolExecutor(max_workers=PARALLEL_RUNS, thread_name_prefix="method_run")
@@ -108,6 +95,17 @@ def method_pool(tiny_cache):
 
     yield submit
     pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.fixture(scope="module")
+def runs(request, method_pool, tmp_path_factory):
+    """A test module's end-to-end runs, started together: the module names its script in `E2E_SCRIPT`
+    and its runs in `E2E` ({name: flags}); the first test that asks for `runs` hands them all to
+    method_pool (two at a time) and each test waits for its own (`runs[name].result()`), so the runs
+    keep both cores busy instead of one."""
+    script, specs = request.module.E2E_SCRIPT, request.module.E2E
+    root = tmp_path_factory.mktemp(Path(script).stem + "_runs")
+    return {name: method_pool(script, *flags, out=root / name) for name, flags in specs.items()}
 
 
 def load_benchmark(name: str):

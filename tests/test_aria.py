@@ -304,6 +304,20 @@ SMALL = ["--num-iterations", "1", "--games-per-iteration", "12", "--eval-num-tas
          "--torch-threads", "1", "--max-new-tokens", "10", "--learning-rate", "1e-3"]
 
 
+# every end-to-end run of this module, by name: conftest's `runs` starts them together when the first test
+# needs one (E2E_SCRIPT with each flag list)
+E2E_SCRIPT = "aria.py"
+E2E = {
+    "bargaining": [*SMALL, "--env-id", "bargaining", "--game-reward", "payoff", "--eval-opponents", "fair", "tough"],
+    "twenty_questions": [*SMALL, "--env-id", "twenty_questions", "--games-per-iteration", "6", "--max-turns", "3",
+                         "--no-aggregate"],
+    "negotiation": [*SMALL, "--games-per-iteration", "6", "--env-id", "negotiation", "--embedder", "policy",
+                    "--linkage", "ward", "--eval-opponents", "fair"],
+    "guess_my_city": [*SMALL, "--env-id", "guess_my_city", "--games-per-iteration", "4", "--max-turns", "3"],
+}
+
+
+
 def _check_credit_rows(run_dir):
     rows = [r for r in read_metrics(run_dir) if "credit/selected_k" in r]
     assert len(rows) == 1
@@ -316,9 +330,8 @@ def _check_credit_rows(run_dir):
     return r
 
 
-def test_end_to_end_bargaining_selfplay(run_method):
-    run_dir = run_method("aria.py", *SMALL, "--env-id", "bargaining", "--game-reward", "payoff",
-                         "--eval-opponents", "fair", "tough")
+def test_end_to_end_bargaining_selfplay(runs):
+    run_dir = runs["bargaining"].result()
     summary = assert_run_outputs(run_dir)
     assert_adapter_trained(run_dir)
     r = _check_credit_rows(run_dir)
@@ -341,9 +354,8 @@ def test_end_to_end_bargaining_selfplay(run_method):
     assert train and {t["player"] for g in train for t in g["turns"]} <= {"Alice", "Bob"}
 
 
-def test_end_to_end_twenty_questions_no_aggregate(run_method):
-    run_dir = run_method("aria.py", *SMALL, "--env-id", "twenty_questions", "--games-per-iteration", "6",
-                         "--max-turns", "3", "--no-aggregate")
+def test_end_to_end_twenty_questions_no_aggregate(runs):
+    run_dir = runs["twenty_questions"].result()
     summary = assert_run_outputs(run_dir)
     r = _check_credit_rows(run_dir)
     # baseline: the training weights are the raw returns
@@ -353,22 +365,16 @@ def test_end_to_end_twenty_questions_no_aggregate(run_method):
     assert json.loads((run_dir / "config.json").read_text())["observation_labels"] == "exact"
 
 
-def test_end_to_end_negotiation_policy_encoder_ward(run_method):
-    run_dir = run_method("aria.py", *SMALL, "--games-per-iteration", "6", "--env-id", "negotiation", "--embedder",
-                         "policy", "--linkage", "ward", "--eval-opponents", "fair")
+def test_end_to_end_negotiation_policy_encoder_ward(runs):
+    run_dir = runs["negotiation"].result()
     summary = assert_run_outputs(run_dir)
     _check_credit_rows(run_dir)
     assert "eval/win_rate_Bob_vs_fair" in summary["last_eval"]
     assert "eval/win_rate_Bob_vs_tough" not in summary["last_eval"]
 
 
-def test_end_to_end_guess_my_city(run_method):
-    import envs
-
-    if "guess_my_city" not in envs.available():
-        pytest.skip("envs/guess_my_city.py is not in this checkout")
-    run_dir = run_method("aria.py", *SMALL, "--env-id", "guess_my_city", "--games-per-iteration", "4",
-                         "--max-turns", "3")
+def test_end_to_end_guess_my_city(runs):
+    run_dir = runs["guess_my_city"].result()
     assert_run_outputs(run_dir)
     _check_credit_rows(run_dir)
     assert json.loads((run_dir / "config.json").read_text())["observation_labels"] == "cluster"

@@ -274,8 +274,17 @@ SMALL = ["--num-iterations", "2", "--tasks-per-iteration", "2", "--group-size", 
          "--torch-threads", "1", "--lora-r", "8", "--lora-alpha", "8", "--learning-rate", "1e-3"]
 
 
-def test_end_to_end_delta(run_method):
-    run_dir = run_method("delta_belief.py", *SMALL, "--eval-best-of-n", "2")
+# every end-to-end run of this module, by name: conftest's `runs` starts them together when the first test
+# needs one (E2E_SCRIPT with each flag list):
+# ΔBelief for two iterations, StarPO for one, and an evaluation only (0 iterations) with an OOD env
+E2E_SCRIPT = "delta_belief.py"
+E2E = {"delta": [*SMALL, "--eval-best-of-n", "2"],
+       "starpo": [SMALL[0], "1", *SMALL[2:], "--reward-mode", "starpo"],
+       "ood": [SMALL[0], "0", *SMALL[2:], "--eval-env-id", "guess_my_city"]}
+
+
+def test_end_to_end_delta(runs):
+    run_dir = runs["delta"].result()
     summary = assert_run_outputs(run_dir)
     assert_adapter_trained(run_dir)
     rows = read_metrics(run_dir)
@@ -292,10 +301,8 @@ def test_end_to_end_delta(run_method):
     assert samples and "turns" in json.loads(samples[0])
 
 
-def test_end_to_end_starpo(run_method):
-    args = list(SMALL)
-    args[1] = "1"  # one iteration
-    run_dir = run_method("delta_belief.py", *args, "--reward-mode", "starpo")
+def test_end_to_end_starpo(runs):
+    run_dir = runs["starpo"].result()
     assert_run_outputs(run_dir)
     row = [r for r in read_metrics(run_dir) if "credit/adv_nonzero_frac" in r][0]
     assert math.isfinite(row["losses/policy_loss"])
@@ -306,10 +313,8 @@ def test_end_to_end_starpo(run_method):
         assert row["charts/invalid_rate"] == 1.0
 
 
-def test_end_to_end_out_of_distribution_eval(run_method):
-    args = list(SMALL)
-    args[1] = "0"  # evaluation only
-    run_dir = run_method("delta_belief.py", *args, "--eval-env-id", "guess_my_city")
+def test_end_to_end_out_of_distribution_eval(runs):
+    run_dir = runs["ood"].result()
     ev = json.loads((run_dir / "summary.json").read_text())["last_eval"]
     assert 0.0 <= ev["eval/ood_success"] <= 1.0 and 0.0 <= ev["eval/success"] <= 1.0
 

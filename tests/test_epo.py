@@ -224,8 +224,26 @@ SMALL = ["--num-iterations", "2", "--episodes-per-iteration", "6", "--eval-num-t
          "--num-epochs", "2", "--trajectories-per-step", "4"]
 
 
-def test_end_to_end_rule_agent_rule_prm(run_method):
-    run_dir = run_method("epo.py", *SMALL, "--agent", "rule", "--prm", "rule")
+# every end-to-end run of this module, by name: conftest's `runs` starts them together when the first test
+# needs one (E2E_SCRIPT with each flag list)
+E2E_SCRIPT = "epo.py"
+E2E = {
+    "rule_agent_rule_prm": [*SMALL, "--agent", "rule", "--prm", "rule"],
+    # one iteration; the micro model writes gibberish as agent and as PRM
+    "base_agent_llm_prm": [SMALL[0], "1", *SMALL[2:], "--agent", "base", "--prm", "llm", "--eval-num-tasks", "1",
+                           "--learning-rate", "3e-3"],
+    "webshop_thought": ["--env-id", "webshop", "--agent", "base", "--prm", "rule", "--num-iterations", "1",
+                        "--episodes-per-iteration", "2", "--eval-num-tasks", "1", "--torch-threads", "1",
+                        "--lora-r", "8", "--lora-alpha", "8", "--max-new-tokens", "8", "--agent-max-new-tokens", "8"],
+    "self_chat": ["--train-opponent", "self", "--return-norm", "trajectory", "--prm-min-final", "0",
+                  "--num-iterations", "1", "--episodes-per-iteration", "4", "--eval-num-tasks", "1",
+                  "--torch-threads", "1", "--lora-r", "8", "--lora-alpha", "8", "--no-eval-selfplay"],
+}
+
+
+
+def test_end_to_end_rule_agent_rule_prm(runs):
+    run_dir = runs["rule_agent_rule_prm"].result()
     summary = assert_run_outputs(run_dir)
     assert_adapter_trained(run_dir)
     rows = read_metrics(run_dir)
@@ -248,12 +266,9 @@ def test_end_to_end_rule_agent_rule_prm(run_method):
     assert train_recs and all(t["weight"] is not None for r in train_recs for t in r["turns"])
 
 
-def test_end_to_end_base_agent_llm_prm(run_method):
+def test_end_to_end_base_agent_llm_prm(runs):
     # the micro model writes gibberish as agent and as PRM: the pipeline must still run and log
-    args = list(SMALL)
-    args[1] = "1"
-    run_dir = run_method("epo.py", *args, "--agent", "base", "--prm", "llm", "--eval-num-tasks", "1",
-                         "--learning-rate", "3e-3")
+    run_dir = runs["base_agent_llm_prm"].result()
     assert_run_outputs(run_dir)
     rows = read_metrics(run_dir)
     train = [r for r in rows if "charts/goal_score" in r]
@@ -263,15 +278,9 @@ def test_end_to_end_base_agent_llm_prm(run_method):
     assert any("prm_answer" in r for r in recs if r["tag"] == "train")
 
 
-def test_end_to_end_single_agent_thought_strategist(run_method):
+def test_end_to_end_single_agent_thought_strategist(runs):
     # WebShop-lite through the "Thought:" strategist and the base agent (micro model: gibberish, must run)
-    import envs
-
-    if "webshop" not in envs.available():
-        pytest.skip("envs/webshop.py not in this checkout")
-    run_dir = run_method("epo.py", "--env-id", "webshop", "--agent", "base", "--prm", "rule", "--num-iterations", "1",
-                         "--episodes-per-iteration", "2", "--eval-num-tasks", "1", "--torch-threads", "1",
-                         "--lora-r", "8", "--lora-alpha", "8", "--max-new-tokens", "8", "--agent-max-new-tokens", "8")
+    run_dir = runs["webshop_thought"].result()
     summary = assert_run_outputs(run_dir)
     ev = summary["last_eval"]
     assert 0 <= ev["eval/success"] <= 1 and 0 <= ev["eval/return"] <= 1 and ev["eval/episode_length"] >= 1
@@ -358,11 +367,9 @@ def test_token_budgets_and_learning_rate_resolve_by_model():
     assert budgets(epo.resolve_args(epo.Args(learning_rate=1e-3, prm_max_new_tokens=8), real)) == (1e-3, 48, 128, 8)
 
 
-def test_end_to_end_self_chat_by_flag(run_method):
+def test_end_to_end_self_chat_by_flag(runs):
     # self-play stays available: both roles are the strategist, each game gives two trajectories
-    run_dir = run_method("epo.py", "--train-opponent", "self", "--return-norm", "trajectory", "--prm-min-final", "0",
-                         "--num-iterations", "1", "--episodes-per-iteration", "4", "--eval-num-tasks", "1",
-                         "--torch-threads", "1", "--lora-r", "8", "--lora-alpha", "8", "--no-eval-selfplay")
+    run_dir = runs["self_chat"].result()
     config = json.loads((run_dir / "config.json").read_text())
     assert (config["train_opponent"], config["return_norm"], config["prm_min_final"]) == ("self", "trajectory", 0.0)
     recs = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]

@@ -277,9 +277,17 @@ def _needs_sokoban():
         pytest.skip("envs/sokoban.py not in this checkout")
 
 
-def test_end_to_end_graph(run_method):
+# every end-to-end run of this module, by name: conftest's `runs` starts them together when the first test
+# needs one (E2E_SCRIPT with each flag list)
+E2E_SCRIPT = "graphgpo.py"
+E2E = {"graph": SMALL,
+       **{mode: [SMALL[0], "1", *SMALL[2:], "--step-advantage", mode, "--state-match", "fuzzy", "--eval-every", "0"]
+          for mode in ("gigpo", "none")}}
+
+
+def test_end_to_end_graph(runs):
     _needs_sokoban()
-    run_dir = run_method("graphgpo.py", *SMALL)
+    run_dir = runs["graph"].result()
     summary = assert_run_outputs(run_dir)
     assert_adapter_trained(run_dir)
     rows = read_metrics(run_dir)
@@ -297,12 +305,9 @@ def test_end_to_end_graph(run_method):
 
 
 @pytest.mark.parametrize("mode", ["gigpo", "none"])
-def test_end_to_end_baselines(run_method, mode):
+def test_end_to_end_baselines(runs, mode):
     _needs_sokoban()
-    args = list(SMALL)
-    args[1] = "1"
-    run_dir = run_method("graphgpo.py", *args, "--step-advantage", mode, "--state-match", "fuzzy",
-                         "--eval-every", "0")
+    run_dir = runs[mode].result()
     summary = assert_run_outputs(run_dir)
     assert_adapter_trained(run_dir)
     assert summary["step_advantage"] == mode

@@ -550,8 +550,14 @@ SMALL = ["--num-iterations", "2", "--tasks-per-iteration", "3", "--group-size", 
          "--sokoban-reward", "sparse"]  # positive = no invalid action (outcome 0 - 0.1 per invalid step)
 
 
-def test_end_to_end_istar(run_method):
-    run_dir = run_method("istar.py", *SMALL)
+# every end-to-end run of this module, by name: conftest's `runs` starts them together when the first test
+# needs one (E2E_SCRIPT with each flag list)
+E2E_SCRIPT = "istar.py"
+E2E = {"istar": SMALL, "alpha0": [*SMALL[:1], "1", *SMALL[2:], "--alpha", "0", "--estimator", "grpo"]}
+
+
+def test_end_to_end_istar(runs):
+    run_dir = runs["istar"].result()
     summary = assert_run_outputs(run_dir)
     assert_adapter_trained(run_dir)  # policy
     assert_adapter_trained(run_dir, "prm")  # PRM, saved under adapter/prm
@@ -570,8 +576,8 @@ def test_end_to_end_istar(run_method):
     assert set(adapter_tensors(run_dir)) != set() and set(adapter_tensors(run_dir, "prm")) != set()
 
 
-def test_end_to_end_alpha0_baseline(run_method):
-    run_dir = run_method("istar.py", *SMALL[:1], "1", *SMALL[2:], "--alpha", "0", "--estimator", "grpo")
+def test_end_to_end_alpha0_baseline(runs):
+    run_dir = runs["alpha0"].result()
     assert_run_outputs(run_dir)
     assert_adapter_trained(run_dir)
     assert not any("prm/loss" in r for r in read_metrics(run_dir))
