@@ -102,7 +102,7 @@ def runs(request, method_pool, tmp_path_factory):
     """A test module's end-to-end runs, started together: the module names its script in `E2E_SCRIPT`
     and its runs in `E2E` ({name: flags}); the first test that asks for `runs` hands them all to
     method_pool (two at a time) and each test waits for its own (`runs[name].result()`), so the runs
-    keep both cores busy instead of one."""
+    keep both cores busy instead of one. All of the module's runs start, even when `-k` selects one."""
     script, specs = request.module.E2E_SCRIPT, request.module.E2E
     root = tmp_path_factory.mktemp(Path(script).stem + "_runs")
     return {name: method_pool(script, *flags, out=root / name) for name, flags in specs.items()}

@@ -317,7 +317,6 @@ E2E = {
 }
 
 
-
 def _check_credit_rows(run_dir):
     rows = [r for r in read_metrics(run_dir) if "credit/selected_k" in r]
     assert len(rows) == 1

@@ -228,7 +228,7 @@ def test_token_logprobs_sorted_micro_batches_keep_each_samples_own_logprobs(micr
     g = torch.Generator().manual_seed(3)
     lengths = [(9, 2), (3, 1), (14, 3), (5, 2), (11, 1), (4, 3), (8, 2)]  # unsorted on purpose
     samples = [db.Sample(torch.randint(5, 60, (p,), generator=g).tolist(),
-                      torch.randint(5, 60, (c,), generator=g).tolist(), 0, i, 0)
+                         torch.randint(5, 60, (c,), generator=g).tolist(), 0, i, 0)
                for i, (p, c) in enumerate(lengths)]
     got = db.token_logprobs(model, tok, samples, "default", micro_batch_size=3)
     for x, lp in zip(samples, got):

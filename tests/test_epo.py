@@ -241,7 +241,6 @@ E2E = {
 }
 
 
-
 def test_end_to_end_rule_agent_rule_prm(runs):
     run_dir = runs["rule_agent_rule_prm"].result()
     summary = assert_run_outputs(run_dir)
