@@ -122,6 +122,13 @@ def test_earlier_defaults_select_lines_by_their_config():
     assert table.runner_command().endswith("--out docs/results/toy.jsonl -- --group-size 8 --lr 0.5")
     assert report.config_has({"group_size": 8}, ["--group-size", "8"])
     assert not report.config_has({"group_size": 4}, ["--group-size", "8"])
+    # an older run: the option left to its preset (None), the value it ran with under resolved_<name>
+    assert report.config_has({"learning_rate": None, "resolved_learning_rate": 0.0005},
+                             ["--learning-rate", "0.0005"])
+    assert not report.config_has({"learning_rate": None, "resolved_learning_rate": 0.00025},
+                                 ["--learning-rate", "0.0005"])
+    assert not report.config_has({"learning_rate": 0.00025, "resolved_learning_rate": 0.0005},
+                                 ["--learning-rate", "0.0005"])
     with pytest.raises(ValueError):
         report.config_has({}, ["--group-size"])
 
