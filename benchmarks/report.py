@@ -116,10 +116,11 @@ TABLES = [
                "games per iteration (the default), for the earlier 32 iterations."),
     # The default since later on 2026-11-26: 64 iterations of 8 x 4, evaluated at 32 and 64; chosen over 32 on
     # seeds 1-3 (docs/delta_belief.md, "Twice the iterations").
-    # Seeds 9-10 added on 2026-11-27 at commit 8fda9d8 (length-sorted micro-batches: the same maths, other rounding).
+    # Seeds 9-10 added on 2026-11-27 at commit 8fda9d8 (length-sorted micro-batches: the same maths, other rounding),
+    # seeds 11-12 later that day at 20cc912.
     Table("delta_belief_it64_crn", "docs/delta_belief.md", "delta_belief",
           {"delta": ("ΔBelief-RL", ""), "starpo": ("StarPO", "--reward-mode starpo")}, method="delta",
-          baselines=("starpo",), seeds=tuple(range(4, 11)), extra="--num-iterations 64 --eval-every 32",
+          baselines=("starpo",), seeds=tuple(range(4, 13)), extra="--num-iterations 64 --eval-every 32",
           note="Evaluations with common random numbers. Twenty Questions with compound secrets; 64 iterations of "
                "8 secrets × 4 games (the default)."),
     # The tiny learning rate was 5e-4 until 2026-11-27 (then 2.5e-4, chosen on tuning seeds 1-3 and 21-24;
