@@ -24,7 +24,8 @@ median [min, max] wall time per run; per seed each change with its run's own SE;
 baseline) the paired difference of the changes on the same seed, mean ± SE over seeds, and, as a
 secondary statistic, the paired difference averaged over the evaluations during training (how far
 ahead a method was before the end). SUMMARY is the cross-method table in README.md: one row per
-(method, baseline) pair. POWER_DOC holds the power table: per pair of SUMMARY, how much the paired
+(method, baseline) pair of the tables marked `summary`, each script's default run now, evaluated with
+common random numbers. POWER_DOC holds the power table: per pair of the tables marked `power`, how much the paired
 difference varies from seed to seed, how much of that the final evaluations' own noise explains, the
 smallest difference the seeds resolve at 2 SE and the seeds the current mean would need. Markers that
 are missing are reported and skipped. With matplotlib, the learning curves (mean over seeds, ± SE band)
@@ -65,7 +66,9 @@ class Table:
     extra: str = ""  # flags for every run (learning.py's `-- ...`); "" measures the script's defaults
     parallel: int = 2  # runs at a time in the runner command (it changes the wall time)
     note: str = ""  # one sentence printed above the table
-    summary: bool = True  # its (method, baseline) pairs are rows of the README's summary and the power table
+    summary: bool = False  # its (method, baseline) pairs are rows of the README's cross-method table: the
+    # script's default run now, with paired evaluations (one table per script and env)
+    power: bool = True  # its (method, baseline) pairs are rows of the power table (docs/learning.md)
     earlier: str = ""  # flags restoring the defaults the runs had, when the script's defaults changed since:
     # part of the commands shown; lines run without them count if their config has these values
 
@@ -120,7 +123,7 @@ TABLES = [
     # seeds 11-12 later that day at 20cc912.
     Table("delta_belief_it64_crn", "docs/delta_belief.md", "delta_belief",
           {"delta": ("ΔBelief-RL", ""), "starpo": ("StarPO", "--reward-mode starpo")}, method="delta",
-          baselines=("starpo",), seeds=tuple(range(4, 13)), extra="--num-iterations 64 --eval-every 32",
+          baselines=("starpo",), seeds=tuple(range(4, 13)), extra="--num-iterations 64 --eval-every 32", summary=True,
           note="Evaluations with common random numbers. Twenty Questions with compound secrets; 64 iterations of "
                "8 secrets × 4 games (the default)."),
     # The tiny learning rate was 5e-4 until 2026-11-27 (then 2.5e-4, chosen on tuning seeds 1-3 and 21-24;
@@ -137,12 +140,12 @@ TABLES = [
                "success on the test secrets, never played in training. The earlier learning rate 5e-4."),
     Table("aria_lr25_crn", "docs/aria.md", "aria",
           {"aria": ("ARIA", ""), "reinforce": ("REINFORCE", "--no-aggregate")}, method="aria",
-          baselines=("reinforce",), seeds=tuple(range(4, 16)),
+          baselines=("reinforce",), seeds=tuple(range(4, 16)), summary=True,
           note="Evaluations with common random numbers. Bargaining self-play (the default env), learning rate "
                "2.5e-4 (the default); the metric is the payoff share against the scripted styles."),
     Table("aria_20q_lr25_crn", "docs/aria.md", "aria",
           {"aria": ("ARIA", ""), "reinforce": ("REINFORCE", "--no-aggregate")}, method="aria",
-          baselines=("reinforce",), extra="--env-id twenty_questions",
+          baselines=("reinforce",), extra="--env-id twenty_questions", summary=True,
           note="Evaluations with common random numbers. Twenty Questions with compound secrets against the oracle "
                "(single agent), learning rate 2.5e-4 (the default); the metric is the success on the test "
                "secrets, never played in training."),
@@ -155,8 +158,9 @@ TABLES = [
 # (docs/learning.md, "Common random numbers"), on held-out seeds: each run's change is measured episode by
 # episode. Seeds 4-8 (ARIA, whose runs are short: 4-15, its table's seeds and four more for its paired
 # difference; GraphGPO and iStar: 4-12, four more for their bars and paired differences; EPO, whose defaults
-# were chosen on 4-6: 7-11). Not in the summary: the tables above hold more
-# seeds, measured with independent evaluations.
+# were chosen on 4-6: 7-11). Those of GraphGPO, iStar and EPO are the default runs now, so they are the
+# README's summary rows (ΔBelief's and ARIA's defaults changed since their runs here: their summary rows are
+# the tables above at the new defaults).
 CRN_SEEDS = {"graphgpo": tuple(range(4, 13)), "istar": tuple(range(4, 13)), "delta_belief": (4, 5, 6, 7, 8),
              "aria": tuple(range(4, 16)),
              "epo": (7, 8, 9, 10, 11)}
@@ -168,17 +172,23 @@ TABLES += [
     Table(f"{t.key}_crn", "docs/learning.md", t.script,
           {**t.variants, **CRN_EXTRA.get(t.key, {})},
           method=t.method, baselines=(*t.baselines, *CRN_EXTRA.get(t.key, {})), seeds=CRN_SEEDS[t.key],
-          extra=t.extra, earlier=t.earlier, summary=False,
+          extra=t.extra, earlier=t.earlier, summary=not t.earlier, power=not t.earlier,
           note=f"{CRN_NOTE} {t.note}".strip())
     for t in list(TABLES) if t.key in CRN_SEEDS]
+
+
+SCRIPT_ORDER = ("graphgpo", "istar", "delta_belief", "aria", "epo")  # the README's order of the methods
 
 
 @dataclass(frozen=True)
 class Summary:
     key: str = "summary"  # <!-- results:summary --> in README.md
     doc: str = "README.md"
-    rows: tuple = field(default_factory=lambda: tuple(
-        (t.key, t.method, b) for t in TABLES if t.summary for b in t.baselines))  # (table key, method, baseline)
+    rows: tuple = field(default_factory=lambda: tuple(  # (table key, method, baseline), in the README's order
+        (t.key, t.method, b) for t in sorted((t for t in TABLES if t.summary), key=lambda t: SCRIPT_ORDER.index(t.script))
+        for b in t.baselines))
+    power_rows: tuple = field(default_factory=lambda: tuple(  # the same for the power table
+        (t.key, t.method, b) for t in TABLES if t.power for b in t.baselines))
 
 
 SUMMARY = Summary()
@@ -396,64 +406,74 @@ def render_table(table: Table, records: list[dict], with_plot: bool = False) -> 
     return "\n".join(out)
 
 
-def summary_pairs(summary: Summary, records_by_table: dict[str, list[dict]], tables):
-    """(table, method, baseline, variant -> seed -> line) for each row of `summary`, in order."""
+def summary_pairs(rows: tuple, records_by_table: dict[str, list[dict]], tables):
+    """(table, method, baseline, variant -> seed -> line) for each (table key, method, baseline) of `rows`."""
     by_key = {t.key: t for t in tables}
-    for key, m, b in summary.rows:
+    for key, m, b in rows:
         yield by_key[key], m, b, select(by_key[key], records_by_table.get(key, []))
 
 
 def render_summary(summary: Summary, records_by_table: dict[str, list[dict]], tables=TABLES) -> str:
     """The cross-method table: one row per (method, baseline) pair of `summary.rows`."""
-    out = ["Generated by `python benchmarks/report.py` from docs/results/; do not edit by hand. Change: the "
-           "main metric after training minus before, mean ± SE over seeds; paired difference: the method's change "
-           "minus the baseline's on the same seed, mean ± SE over seeds. Details, the policies and machines: "
-           "each method's page.",
+    out = ["Generated by `python benchmarks/report.py` from docs/results/; do not edit by hand. Each script's "
+           "default run and its baseline on held-out seeds, both evaluated with common random numbers (each run's "
+           "change measured episode by episode). Change: the main metric after training minus before, mean ± SE "
+           "over seeds; runs > 2 own SE: the method's runs whose change exceeds twice the run's own SE; paired "
+           "difference: the method's change minus the baseline's on the same seed, mean ± SE over seeds, at the "
+           "end and averaged over the evaluations during training; greedy: the method's greedy metric before → "
+           "after. Details, the earlier tables, the policies and machines: each method's page.",
            "",
-           "| method | baseline | env: metric | method change ± SE | baseline change ± SE | paired difference ± SE "
-           "| seeds | wall s per run (median; one thread per run, load above the cores means a shared machine) | command |",
-           "|---|---|---|---|---|---|---|---|---|"]
-    for t, m, b, runs in summary_pairs(summary, records_by_table, tables):
+           "| method | baseline | env: metric | method change ± SE | runs > 2 own SE | baseline change ± SE "
+           "| paired difference ± SE | during training ± SE | greedy before → after | seeds "
+           "| wall s per run (median; one thread per run, load above the cores means a shared machine) | command |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for t, m, b, runs in summary_pairs(summary.rows, records_by_table, tables):
         cmd = user_command(t.script, "S", t.flags(m), t.extras)
         label_m, label_b = t.variants[m][0], f"{t.variants[b][0]}" + (f" (`{t.variants[b][1]}`)" if t.variants[b][1] else "")
         if not runs[m] or not runs[b]:
-            out.append(f"| {label_m} | {label_b} | | not run yet | | | | | `{cmd}` |")
+            out.append(f"| {label_m} | {label_b} | | not run yet | | | | | | | | `{cmd}` |")
             continue
         sm, sb, d = variant_stats(runs[m]), variant_stats(runs[b]), paired(runs[m], runs[b])
+        dc = paired_curve(runs[m], runs[b])
         any_line = next(iter(runs[m].values()))
         cores = sorted({r["machine"]["cpu_count"] for r in runs[m].values()})
         loads = [x for r in runs[m].values() for x in (r["machine"]["load_average_start"][0],
                                                          r["machine"]["load_average_end"][0])]
         diff = pm(d["mean"], d["se"]) if d else "no common seed"
+        during = pm(dc["mean"], dc["se"]) if dc else ""
+        greedy = (f"{sm['greedy_before']:.3f} → {sm['greedy_after']:.3f}" if sm["greedy_metric"] else "")
         out.append(f"| {label_m} | {label_b} | {any_line['env_id']}: `{any_line['metric']}` | "
-                   f"{pm(sm['change'], sm['change_se'])} | {pm(sb['change'], sb['change_se'])} | {diff} | "
-                   f"{', '.join(map(str, d['seeds'] if d else sm['seeds']))} | "
+                   f"{pm(sm['change'], sm['change_se'])} | {sm['rose']}/{sm['n']} | {pm(sb['change'], sb['change_se'])} | "
+                   f"{diff} | {during} | {greedy} | {', '.join(map(str, d['seeds'] if d else sm['seeds']))} | "
                    f"{sm['wall_median']:.0f} ({'/'.join(map(str, cores))} CPU cores, load {min(loads):.1f}-{max(loads):.1f}) | `{cmd}` |")
     return "\n".join(out)
 
 
 def render_power(summary: Summary, records_by_table: dict[str, list[dict]], tables=TABLES) -> str:
-    """The power table: one row per (method, baseline) pair of `summary.rows` (see `power`)."""
+    """The power table: one row per (method, baseline) pair of `summary.power_rows` (see `power`)."""
     out = ["Generated by `python benchmarks/report.py` from docs/results/; do not edit by hand. Per (method, "
            "baseline) pair: the paired difference of the changes, mean ± SE over the seeds; its sample std from "
            "seed to seed; the part of that std the two final evaluations' own noise gives if they are independent "
            "samples (an upper bound where the runs share evaluation games); the smallest difference the seeds "
            "resolve at 2 SE (2 std / sqrt(seeds)); the seeds the current mean would need to be 2 SE; the wall "
-           "time of one seed, both runs side by side (the slower median).",
+           "time of one seed, both runs side by side (the slower median); evaluations: paired (common random "
+           "numbers) or independent.",
            "",
-           "| method − baseline | env: metric | seeds | paired difference ± SE | std per seed | of it, evaluation "
-           "noise | resolvable at 2 SE | seeds for the mean at 2 SE | wall s per seed |",
-           "|---|---|---|---|---|---|---|---|---|"]
-    for t, m, b, runs in summary_pairs(summary, records_by_table, tables):
+           "| method − baseline | env: metric | evaluations | seeds | paired difference ± SE | std per seed | of it, "
+           "evaluation noise | resolvable at 2 SE | seeds for the mean at 2 SE | wall s per seed |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for t, m, b, runs in summary_pairs(summary.power_rows, records_by_table, tables):
         label = f"{t.variants[m][0]} − {t.variants[b][0]}"
         pw = power(runs[m], runs[b])
         if pw is None:
-            out.append(f"| {label} | | fewer than 2 | | | | | | |")
+            out.append(f"| {label} | | | fewer than 2 | | | | | | |")
             continue
         line = next(iter(runs[m].values()))
         wall = max(variant_stats(runs[m])["wall_median"], variant_stats(runs[b])["wall_median"])
         needed = "mean ≤ 0" if pw["seeds_needed"] is None else str(pw["seeds_needed"])
-        out.append(f"| {label} | {line['env_id']}: `{line['metric']}` | {pw['n']} | {pm(pw['mean'], pw['se'])} | "
+        kinds = {bool(r.get("paired")) for v in (m, b) for r in runs[v].values()}
+        evals = "mixed" if len(kinds) > 1 else ("paired" if kinds.pop() else "independent")
+        out.append(f"| {label} | {line['env_id']}: `{line['metric']}` | {evals} | {pw['n']} | {pm(pw['mean'], pw['se'])} | "
                    f"{pw['sd']:.3f} | {pw['eval_sd']:.3f} | {pw['resolvable']:.3f} | {needed} | {wall:.0f} |")
     return "\n".join(out)
 

@@ -24,7 +24,7 @@ import first_iteration  # noqa: E402
 # ---------------------------------------------------------------------------------------------
 TOY = report.Table("toy", "docs/toy.md", "graphgpo", {"m": ("Method", ""), "b": ("Base", "--step-advantage none")},
                    method="m", baselines=("b",), seeds=(4, 5, 6), parallel=1)
-TOY_SUMMARY = report.Summary(rows=(("toy", "m", "b"),))
+TOY_SUMMARY = report.Summary(rows=(("toy", "m", "b"),), power_rows=(("toy", "m", "b"),))
 
 
 def line(variant, seed, before, after, change_se=0.03, wall=100.0, greedy=(0.7, 0.7), flags=None):
@@ -180,8 +180,10 @@ def test_rendered_tables_show_the_hand_numbers(toy_records):
             "+0.100 ± 0.058 |") in text
     assert "[../docs/results/toy.jsonl]" not in text and "[results/toy.jsonl](results/toy.jsonl)" in text
     summary = report.render_summary(TOY_SUMMARY, {"toy": toy_records}, tables=[TOY])
-    assert ("| Method | Base (`--step-advantage none`) | sokoban: `eval/success` | +0.150 ± 0.050 | +0.050 ± 0.029 | "
-            "+0.100 ± 0.058 | 4, 5, 6 | 200 (2 CPU cores, load 1.0-2.0) | `python graphgpo.py --seed S --torch-threads 1` |") in summary
+    # runs > 2 own SE 2/3 and greedy 0.700 -> 0.800 as in the table; during training = the end (iteration 40 only)
+    assert ("| Method | Base (`--step-advantage none`) | sokoban: `eval/success` | +0.150 ± 0.050 | 2/3 | +0.050 ± 0.029 | "
+            "+0.100 ± 0.058 | +0.100 ± 0.058 | 0.700 → 0.800 | 4, 5, 6 | 200 (2 CPU cores, load 1.0-2.0) | "
+            "`python graphgpo.py --seed S --torch-threads 1` |") in summary
 
 
 def test_power_by_hand(toy_records):
@@ -198,8 +200,15 @@ def test_power_by_hand(toy_records):
     assert report.power({4: runs["m"][4]}, {4: runs["b"][4]}) is None  # one seed: no spread
     text = report.render_power(TOY_SUMMARY, {"toy": toy_records}, tables=[TOY])
     # wall per seed: the slower median of the two (m 200, b 100)
-    assert "| Method − Base | sokoban: `eval/success` | 3 | +0.100 ± 0.058 | 0.100 | 0.028 | 0.115 | 4 | 200 |" in text
-    assert "| Method − Base | | fewer than 2 |" in report.render_power(TOY_SUMMARY, {}, tables=[TOY])
+    # the fixture's lines carry no "paired" flag: independent evaluations
+    assert ("| Method − Base | sokoban: `eval/success` | independent | 3 | +0.100 ± 0.058 | 0.100 | 0.028 | 0.115 | 4 "
+            "| 200 |") in text
+    paired_records = [{**r, "paired": True} for r in toy_records]
+    assert "| sokoban: `eval/success` | paired | 3 |" in report.render_power(TOY_SUMMARY, {"toy": paired_records},
+                                                                          tables=[TOY])
+    mixed = [{**r, "paired": r["variant"] == "m"} for r in toy_records]
+    assert "| sokoban: `eval/success` | mixed | 3 |" in report.render_power(TOY_SUMMARY, {"toy": mixed}, tables=[TOY])
+    assert "| Method − Base | | | fewer than 2 |" in report.render_power(TOY_SUMMARY, {}, tables=[TOY])
 
 
 def test_table_without_results_says_how_to_make_them():
@@ -259,6 +268,14 @@ def test_every_spec_is_consistent():
         assert args.variants == {v: t.flags(v) for v in t.variants} and args.seeds == list(t.seeds), t.key
     assert {(k, m, b) for k, m, b in report.SUMMARY.rows} == {(t.key, t.method, b) for t in report.TABLES if t.summary
                                                               for b in t.baselines}
+    assert {(k, m, b) for k, m, b in report.SUMMARY.power_rows} == {(t.key, t.method, b) for t in report.TABLES
+                                                                    if t.power for b in t.baselines}
+    # the README's cross-method table: every script's default run (no `earlier` flags), paired evaluations,
+    # one table per (script, env) and every script present
+    summary_tables = [t for t in report.TABLES if t.summary]
+    assert all(not t.earlier for t in summary_tables)
+    assert len({(t.script, t.extra) for t in summary_tables}) == len(summary_tables)
+    assert {t.script for t in summary_tables} == set(report.SCRIPT_ORDER)
 
 
 def test_the_docs_tables_match_the_committed_results():
