@@ -160,6 +160,39 @@ def spearman(credit, a_star) -> float:
     return float(spearmanr(c, a).statistic)
 
 
+def within_episode_spearman(credit, a_star, clusters) -> float:
+    """Does the credit order the turns of one episode as A* does? Spearman ρ of credit and A* after each is
+    centred on its episode's mean, pooled over the episodes with at least two scored turns (a credit
+    constant within every episode, as an outcome-only one, gives NaN)."""
+    c, a, g = np.asarray(credit, float), np.asarray(a_star, float), np.asarray(clusters)
+    scale_c, scale_a = (float(np.abs(x).max()) if len(x) else 0.0 for x in (c, a))
+    keep = np.zeros(len(g), bool)
+    c, a = c.copy(), a.copy()
+    for i in np.unique(g):
+        m = g == i
+        if m.sum() > 1:
+            keep |= m
+            c[m] -= c[m].mean()
+            a[m] -= a[m].mean()
+    return spearman(_zero_noise(c[keep], scale_c), _zero_noise(a[keep], scale_a))
+
+
+def _zero_noise(residuals, scale: float, rel: float = 1e-6):
+    """Residuals below `rel` of the values' scale (their largest |value|) set to 0: a credit constant within
+    an episode leaves float noise (~1e-17 from the mean, ~1e-8 where it was stored in float32, as a token
+    mean of one advantage) that would otherwise be ranked."""
+    x = np.asarray(residuals, float)
+    return np.where(np.abs(x) <= rel * scale, 0.0, x)
+
+
+def between_episode_spearman(credit, a_star, clusters) -> float:
+    """Does the credit order whole episodes as A* does? Spearman ρ of the episodes' mean credit and mean A*
+    (what an outcome-only credit can get right too)."""
+    c, a, g = np.asarray(credit, float), np.asarray(a_star, float), np.asarray(clusters)
+    ids = np.unique(g)
+    return spearman([c[g == i].mean() for i in ids], [a[g == i].mean() for i in ids])
+
+
 def reliability(a_star, se) -> float:
     """The share of the variance of the estimated A* that is not Monte Carlo noise, 1 - mean(se^2) /
     var(A*): a correlation with A* is attenuated by about its square root."""
@@ -169,21 +202,26 @@ def reliability(a_star, se) -> float:
 
 
 def bootstrap_ci(stat: Callable, credit, a_star, clusters, reps: int = 1000, seed: int = 0,
-                 level: float = 0.95) -> tuple[float, float, float]:
+                 level: float = 0.95, by_cluster: bool = False) -> tuple[float, float, float]:
     """`stat(credit, a_star)` and its percentile bootstrap interval, resampling whole clusters (the
-    episodes: the turns of one episode are not independent)."""
+    episodes: the turns of one episode are not independent). With `by_cluster` the statistic is
+    `stat(credit, a_star, clusters)`, and a cluster drawn twice counts as two clusters."""
     c, a, g = np.asarray(credit, float), np.asarray(a_star, float), np.asarray(clusters)
     ids = np.unique(g)
     rows = [np.flatnonzero(g == i) for i in ids]
     rng = np.random.default_rng(seed)
     vals = []
     for _ in range(reps):
-        take = np.concatenate([rows[i] for i in rng.integers(0, len(ids), len(ids))])
-        v = stat(c[take], a[take])
+        drawn = [rows[i] for i in rng.integers(0, len(ids), len(ids))]
+        take = np.concatenate(drawn)
+        if by_cluster:
+            v = stat(c[take], a[take], np.repeat(np.arange(len(drawn)), [len(d) for d in drawn]))
+        else:
+            v = stat(c[take], a[take])
         if math.isfinite(v):
             vals.append(v)
     lo, hi = (np.quantile(vals, [(1 - level) / 2, (1 + level) / 2]) if vals else (float("nan"),) * 2)
-    return stat(c, a), float(lo), float(hi)
+    return (stat(c, a, g) if by_cluster else stat(c, a)), float(lo), float(hi)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -733,6 +771,9 @@ def summarize(result: dict, reps: int = 1000) -> dict:
     for lab in result["labels"]:
         c = np.array([r["credit"][lab] for r in rows])
         out["credit"][lab] = _stats(c, a, traj, reps, seed)
+        for name, fn in (("within", within_episode_spearman), ("between", between_episode_spearman)):
+            v, lo, hi = bootstrap_ci(fn, c, a, traj, reps, seed, by_cluster=True)
+            out["credit"][lab][name], out["credit"][lab][name + "_ci"] = v, [lo, hi]
     main = np.array([r["credit"][result["labels"][0]] for r in rows])
     out["vs_method"] = {}
     for lab in result["labels"][1:]:  # the method minus each baseline, on the same resampled episodes
@@ -783,7 +824,10 @@ def report(data: dict) -> str:
              f"per-method times below" + (f" (the other envs, `method@env`, {extra / 60:.1f} min more)" if extra else "")
              + f"; {data.get('machine', '')}. "
              "Each cell: Spearman ρ of the credit with A* / AUC of the credit for A* > 0 vs A* < 0, over the "
-             "scored turns; 95% intervals (bootstrap over episodes) in the tables below."
+             "scored turns; 95% intervals (bootstrap over episodes) in the tables below. There, \"within episodes\" is "
+             "ρ after centring the credit and A* on their episode's mean (episodes with two or more scored turns): "
+             "whether the credit orders the turns of one episode, which an outcome-only credit cannot (n/a); "
+             "\"episode means\" is ρ of the episodes' mean credit and mean A*."
              + "".join(f" Run later with --append (seed {x['seed']}, replacing any earlier result of the same "
                        f"name): {', '.join(x['results'])}." for x in data.get("appended", [])), "",
              "| credit (method, then its baseline) | " + " | ".join(envs_) + " |",
@@ -813,13 +857,17 @@ def report(data: dict) -> str:
                   f"A*: {s['a_star_pos_frac']:.0%} of turns > 0, {s['a_star_neg_frac']:.0%} < 0, "
                   f"{s['a_star_zero_frac']:.0%} exactly 0; sd {s['sd_a_star']:.3f}, mean SE {s['mean_se']:.3f}, "
                   f"reliability {_num(s['reliability'])}.", "",
-                  "| credit | Spearman ρ [95% CI] | AUC [95% CI] |", "|---|---|---|"]
+                  "| credit | Spearman ρ [95% CI] | AUC [95% CI] | within episodes: ρ [95% CI] | episode means: "
+                  "ρ [95% CI] |", "|---|---|---|---|---|"]
         for lab in r["labels"]:
             st = s["credit"][lab]
-            lines.append(f"| {lab} | {_num(st['spearman'], st['spearman_ci'])} | {_num(st['auc'], st['auc_ci'])} |")
+            split = (f" {_num(st['within'], st['within_ci'])} | {_num(st['between'], st['between_ci'])} |"
+                     if "within" in st else " | |")  # results summarised before the split was measured
+            lines.append(f"| {lab} | {_num(st['spearman'], st['spearman_ci'])} | {_num(st['auc'], st['auc_ci'])} |"
+                         + split)
         for lab, st in s.get("vs_method", {}).items():
             lines.append(f"| {r['labels'][0]} minus {lab} (paired) | {_num(st['spearman'], st['spearman_ci'])} | "
-                         f"{_num(st['auc'], st['auc_ci'])} |")
+                         f"{_num(st['auc'], st['auc_ci'])} | | |")
         if s["by_group_size"]:
             sizes = sorted(s["by_group_size"], key=int)
             lines += ["", "By the group size the credit is computed with (the same turns and A*; groups split into "

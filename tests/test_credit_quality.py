@@ -88,6 +88,29 @@ def test_auc_and_spearman_by_hand():
     assert cq.spearman([1, 2, 3, 4], [0.1, 0.3, 0.2, 0.4]) == pytest.approx(0.8)
 
 
+def test_within_and_between_episode_spearman_by_hand():
+    # episode 0: credit 1, 2, 3 and A* 0.1, 0.3, 0.2; episode 1: credit 5, 5 and A* 0.0, 0.6; episode 2 has one
+    # scored turn and is left out of "within". Centred: credit -1, 0, 1, 0, 0 and A* -0.1, 0.1, 0, -0.3, 0.3.
+    # Ranks: credit 1, 3, 5, 3, 3 (three ties at 0 share rank 3); A* 2, 4, 3, 1, 5. Deviations from 3:
+    # credit -2, 0, 2, 0, 0; A* -1, 1, 0, -2, 2; covariance sum 2, squares 8 and 10: rho = 2 / sqrt(80).
+    credit, a_star, ep = [1, 2, 3, 5, 5, 9], [0.1, 0.3, 0.2, 0.0, 0.6, -1.0], [0, 0, 0, 1, 1, 2]
+    assert cq.within_episode_spearman(credit, a_star, ep) == pytest.approx(2 / np.sqrt(80))
+    # episode means: credit 2, 5, 9 (ranks 1, 2, 3); A* 0.2, 0.3, -1.0 (ranks 2, 3, 1);
+    # d = -1, -1, 2, sum d^2 = 6: rho = 1 - 6 * 6 / (3 * 8) = -0.5
+    assert cq.between_episode_spearman(credit, a_star, ep) == pytest.approx(-0.5)
+    # a credit that is constant within each episode (outcome only) cannot order an episode's turns, also when
+    # float32 storage leaves it a few 1e-8 apart (residuals below 1e-6 of the largest count as 0)
+    assert np.isnan(cq.within_episode_spearman([0.1, 0.1, 0.1, 0.7, 0.7, 9], a_star, ep))
+    assert np.isnan(cq.within_episode_spearman([0.3, 0.3 + 3e-8, 0.3 - 2e-8, 0.7, 0.7, 9], a_star, ep))
+    # credit = A* plus an offset per episode: every resample orders the turns within episodes perfectly
+    rng = np.random.default_rng(1)
+    clusters = np.arange(60) // 3
+    a = rng.normal(size=60)
+    value, lo, hi = cq.bootstrap_ci(cq.within_episode_spearman, a + 10 * clusters, a, clusters, reps=100,
+                                    by_cluster=True)
+    assert value == pytest.approx(1.0) and lo == pytest.approx(1.0) and hi == pytest.approx(1.0)
+
+
 def test_reliability_and_bootstrap_interval():
     # var(A*) with ddof 1 of [0, 1, 2, 3] = 5/3; mean se^2 = 0.25 -> 1 - 0.25 / (5/3) = 0.85
     assert cq.reliability([0, 1, 2, 3], [0.5] * 4) == pytest.approx(0.85)
@@ -175,6 +198,10 @@ def test_summary_and_report_between_the_markers(tmp_path):
     # the paired difference, method minus baseline, in every resample: 1 - (-1) and 1 - 0
     assert s["vs_method"]["B"]["spearman"] == pytest.approx(2.0) and s["vs_method"]["B"]["spearman_ci"] == pytest.approx([2, 2])
     assert s["vs_method"]["B"]["auc"] == 1.0
+    # within episodes (episodes 0, 1, 2 with two turns each): M's centred credit is A*'s, B's its negative
+    assert s["credit"]["M"]["within"] == pytest.approx(1.0) and s["credit"]["B"]["within"] == pytest.approx(-1.0)
+    # episode means of A*: 0.3, -0.2, -0.05 -> M orders them as A* does, B reverses them
+    assert s["credit"]["M"]["between"] == pytest.approx(1.0) and s["credit"]["B"]["between"] == pytest.approx(-1.0)
     doc = tmp_path / "doc.md"
     doc.write_text("intro\n")
     data = {"seed": 4, "seconds": 60.0, "machine": "test", "results": {"graphgpo": res}}
@@ -183,6 +210,7 @@ def test_summary_and_report_between_the_markers(tmp_path):
     text = doc.read_text()
     assert text.startswith("intro\n") and text.count(cq.REPORT_BEGIN) == 1 and text.count(cq.REPORT_END) == 1
     assert "| **M** (graphgpo) | 1.00 / 1.00 |" in text and "| B (graphgpo) | -1.00 / 0.00 |" in text
+    assert "| B | -1.00 [-1.00, -1.00] | 0.00 [0.00, 0.00] | -1.00 [-1.00, -1.00] | -1.00 [-1.00, -1.00] |" in text
 
 
 @pytest.fixture
