@@ -19,7 +19,9 @@ extra flags, the command as a user types it (without --output-dir and --exp-name
 result), the seed, the main metric (the `learning` block of the run's summary.json: before, after, change,
 each with its standard error), the greedy metric before and after (with its SE where the script logs
 one), the learning curve (the main metric at every evaluation), the means over iterations of the run's
-`credit/*` and `perf/*` metrics, the method's end-of-run statistics from summary.json (`prm_*`: iStar's
+`credit/*` and `perf/*` metrics, the means of the training rollouts' `charts/*` metrics over the first
+and over the last quarter of the iterations (`train_charts`: e.g. the success on the train tasks beside
+the test metric), the method's end-of-run statistics from summary.json (`prm_*`: iStar's
 held-out PRM pair accuracy), wall seconds of the subprocess, iterations, the run's config.json, the
 tiny policy (the recipe hash of its tiny_meta.json and a hash of its weights: the same recipe builds
 different weights on different machines), the machine (CPU model and count, load average at the start
@@ -60,7 +62,7 @@ SCRIPTS = ("graphgpo", "istar", "delta_belief", "aria", "epo")
 RUNNER_FLAGS = ("--seed", "--torch-threads", "--output-dir", "--exp-name")  # the runner sets these
 RECORD_KEYS = ("bench", "script", "variant", "variant_flags", "extra_flags", "command", "seed", "env_id",
                "metric", "before", "before_se", "after", "after_se", "change", "change_se", "fell", "paired",
-               "change_se_quadrature", "greedy", "curve", "credit_means", "perf_means", "method_stats", "wall_seconds", "iterations", "config",
+               "change_se_quadrature", "greedy", "curve", "credit_means", "perf_means", "train_charts", "method_stats", "wall_seconds", "iterations", "config",
                "tiny_policy", "machine", "git", "parallel", "finished_at")
 
 
@@ -284,6 +286,17 @@ def numeric_means(rows: list[dict], prefix: str) -> dict:
     return {k: sum(v) / len(v) for k, v in sorted(vals.items())}
 
 
+def window_means(rows: list[dict], prefix: str, frac: float = 0.25) -> dict:
+    """Means of every numeric `prefix*` key over the first and over the last `frac` of the iterations
+    that logged one (at least one iteration each; {} if none did): how the training rollouts changed,
+    to read beside the change of the test metric."""
+    logged = [r for r in rows if any(k.startswith(prefix) for k in r)]
+    if not logged:
+        return {}
+    k = max(1, round(len(logged) * frac))
+    return {"iterations": k, "first": numeric_means(logged[:k], prefix), "last": numeric_means(logged[-k:], prefix)}
+
+
 def greedy_block(first: dict, last: dict, metric: str):
     """The greedy counterpart of the main metric (`<metric>_greedy`, else `eval/success_greedy`) before
     and after, with its SE where the script logs one (None otherwise); None if the script logs none."""
@@ -310,6 +323,7 @@ def collect(run_dir: Path) -> dict:
             "change_se_quadrature": learning.get("change_se_quadrature", learning["change_se"]),
             "greedy": greedy_block(summary["first_eval"], summary["last_eval"], metric), "curve": curve,
             "credit_means": numeric_means(rows, "credit/"), "perf_means": numeric_means(rows, "perf/"),
+            "train_charts": window_means(rows, "charts/"),
             # the method's own end-of-run statistics from summary.json (iStar: the held-out PRM pair accuracy)
             "method_stats": {k: v for k, v in summary.items() if k.startswith("prm_")},
             "iterations": summary["iterations"], "config": config}

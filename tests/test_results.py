@@ -149,6 +149,19 @@ def test_paired_evaluation_cells_show_both_ses(tmp_path):
     assert "| +0.100 ± n/a (1 seed) | 1/1 |" in text
 
 
+def test_window_means_by_hand():
+    # 8 training iterations with charts/success 0.1 ... 0.8, and two evaluation rows that log no charts/* key:
+    # a quarter is 2 iterations; first (0.1 + 0.2) / 2 = 0.15, last (0.7 + 0.8) / 2 = 0.75
+    rows = [{"iteration": 0, "eval/success": 0.3}]
+    rows += [{"iteration": i, "charts/success": i / 10, "charts/flag": True, "credit/x": 1.0} for i in range(1, 9)]
+    rows += [{"iteration": 8, "eval/success": 0.4}]
+    w = learning.window_means(rows, "charts/")
+    assert w["iterations"] == 2 and list(w["first"]) == ["charts/success"]  # a bool is not a metric
+    assert w["first"]["charts/success"] == pytest.approx(0.15) and w["last"]["charts/success"] == pytest.approx(0.75)
+    assert learning.window_means(rows[:3], "charts/")["iterations"] == 1  # two iterations: one each, not zero
+    assert learning.window_means(rows, "nothing/") == {}
+
+
 def test_paired_curve_by_hand():
     def run(*points):
         return {"curve": [{"iteration": i, "value": v, "se": 0.02} for i, v in points]}
@@ -346,6 +359,9 @@ def test_runner_end_to_end_micro(tiny_cache, tmp_path):
     assert rec["greedy"]["metric"] == "eval/success_greedy" and rec["greedy"]["after_se"] is not None
     assert [p["iteration"] for p in rec["curve"]] == [0, 1] and rec["curve"][-1]["value"] == rec["after"]
     assert "credit/adv_nonzero_frac" in rec["credit_means"] and rec["perf_means"]["perf/iteration_seconds"] > 0
+    # one iteration: the first and the last quarter are the same iteration
+    assert rec["train_charts"]["iterations"] == 1 and rec["train_charts"]["first"] == rec["train_charts"]["last"]
+    assert 0 <= rec["train_charts"]["first"]["charts/success"] <= 1
     assert rec["config"]["step_advantage"] == "none" and rec["config"]["seed"] == 3
     assert 0 < rec["wall_seconds"] < 300
     pol = rec["tiny_policy"]
