@@ -283,8 +283,8 @@ def test_every_spec_is_consistent():
                                                               for b in t.baselines}
     assert {(k, m, b) for k, m, b in report.SUMMARY.power_rows} == {(t.key, t.method, b) for t in report.TABLES
                                                                     if t.power for b in t.baselines}
-    # the README's cross-method table: every script's default run (no `earlier` flags), paired evaluations,
-    # one table per (script, env) and every script present
+    # the README's cross-method table: every script's default run (no `earlier` flags), one table per
+    # (script, extra flags) and every script present
     summary_tables = [t for t in report.TABLES if t.summary]
     assert all(not t.earlier for t in summary_tables)
     assert len({(t.script, t.extra) for t in summary_tables}) == len(summary_tables)
