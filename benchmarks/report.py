@@ -20,7 +20,9 @@ script's defaults changed after its runs, the Table's `earlier` flags restore th
 and the lines count whose config has those values); of repeated (variant, seed) lines the last one
 counts. Per variant the table gives the main metric before and after training (means over seeds), the
 mean change ± SE over seeds (SE = sample std / sqrt(n)), the greedy metric before → after, and the
-median [min, max] wall time per run; per seed each change with its run's own SE; per (method,
+median [min, max] wall time per run, and where runs recorded it (`train_charts`) the training rollouts'
+success, first → last quarter of the iterations (does a change on the train tasks reach the test tasks);
+per seed each change with its run's own SE; per (method,
 baseline) the paired difference of the changes on the same seed, mean ± SE over seeds, and, as a
 secondary statistic, the paired difference averaged over the evaluations during training (how far
 ahead a method was before the end). SUMMARY is the cross-method table in README.md: one row per
@@ -271,6 +273,19 @@ def variant_stats(runs: dict[int, dict]) -> dict:
             "wall_median": statistics.median(walls), "wall_min": min(walls), "wall_max": max(walls)}
 
 
+def train_chart(runs: dict[int, dict], metric: str) -> dict | None:
+    """The training rollouts' counterpart of the test metric (`charts/<name>` of `eval/<name>`, else
+    `charts/success`), mean over the runs that recorded `train_charts` of its first- and last-quarter
+    means; None if no run recorded it (lines written before the runner kept it)."""
+    for key in ("charts/" + metric.split("/", 1)[-1], "charts/success"):
+        got = [runs[s]["train_charts"] for s in sorted(runs)
+               if key in (runs[s].get("train_charts") or {}).get("first", {})]
+        if got:
+            return {"key": key, "n": len(got), "first": statistics.fmean(c["first"][key] for c in got),
+                    "last": statistics.fmean(c["last"][key] for c in got)}
+    return None
+
+
 def paired(method: dict[int, dict], baseline: dict[int, dict]) -> dict | None:
     """The paired difference of the changes, method minus baseline on the same seed: per seed, and mean ±
     SE over the seeds both have (None if they share none)."""
@@ -383,6 +398,13 @@ def render_table(table: Table, records: list[dict], with_plot: bool = False) -> 
         out.append(f"| {label} | `{cmd}` | {s['n']} | {s['before']:.3f} | {s['after']:.3f} | "
                    f"{pm(s['change'], s['change_se'])} | {s['rose']}/{s['n']} | {g} | "
                    f"{s['wall_median']:.0f} [{s['wall_min']:.0f}, {s['wall_max']:.0f}] |")
+    charts = {v: train_chart(runs[v], metric) for v in stats}
+    if any(charts.values()):
+        key = next(c["key"] for c in charts.values() if c)
+        out += ["", f"On the training tasks (`{key}` of the training rollouts, mean over the first → the last "
+                    "quarter of the iterations, runs that recorded it): "
+                + "; ".join(f"{table.variants[v][0]} {c['first']:.3f} → {c['last']:.3f} ({c['n']} run{'s' if c['n'] != 1 else ''})"
+                            for v, c in charts.items() if c) + "."]
     paired_eval = any(r.get("paired") for r in lines)
     own_se = ("± the run's own SE: the first and last evaluation paired episode by episode, with common random "
               "numbers; in brackets the SE of two independent evaluations" if paired_eval else "± the run's own SE")

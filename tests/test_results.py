@@ -149,6 +149,26 @@ def test_paired_evaluation_cells_show_both_ses(tmp_path):
     assert "| +0.100 ± n/a (1 seed) | 1/1 |" in text
 
 
+def test_train_success_sentence_by_hand(tmp_path):
+    """Runs that recorded `train_charts` get one sentence with the training rollouts' success, first → last
+    quarter, averaged over those runs: Method (0.30 → 0.50, 0.40 → 0.70) is 0.350 → 0.600 over 2 runs; Base's
+    seed 5 recorded none, so it is seed 4's 0.20 → 0.30 over 1 run. Without any such run: no sentence."""
+    def charts(first, last):
+        return {"iterations": 10, "first": {"charts/success": first, "charts/return": 9.0},
+                "last": {"charts/success": last, "charts/return": 9.0}}
+    recs = [dict(line("m", 4, 0.4, 0.5), train_charts=charts(0.30, 0.50)),
+            dict(line("m", 5, 0.4, 0.5), train_charts=charts(0.40, 0.70)),
+            dict(line("b", 4, 0.4, 0.5), train_charts=charts(0.20, 0.30)), line("b", 5, 0.4, 0.5)]
+    path = tmp_path / "toy.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    text = report.render_table(TOY, learning.read_results(path))
+    assert ("quarter of the iterations, runs that recorded it): Method 0.350 → 0.600 (2 runs); "
+            "Base 0.200 → 0.300 (1 run).") in text
+    assert "`charts/success` of the training rollouts" in text
+    path.write_text("".join(json.dumps(line(v, s, 0.4, 0.5)) + "\n" for v in "mb" for s in (4, 5)))
+    assert "training rollouts" not in report.render_table(TOY, learning.read_results(path))
+
+
 def test_window_means_by_hand():
     # 8 training iterations with charts/success 0.1 ... 0.8, and two evaluation rows that log no charts/* key:
     # a quarter is 2 iterations; first (0.1 + 0.2) / 2 = 0.15, last (0.7 + 0.8) / 2 = 0.75
