@@ -938,6 +938,9 @@ def main(argv=None) -> dict:
     p.add_argument("--append", action="store_true", help="add the results to those already in --out (e.g. a "
                    "later --methods ... --extra ... run) instead of replacing them")
     p.add_argument("--tiny-preset", default=None, help="e.g. micro: a fast smoke run with untrained micro policies")
+    p.add_argument("--model-name", default=None,
+                   help="the scripts' --model-name (default: their tiny policy), e.g. a pretrained model on a GPU; "
+                        "plain weights, not 4-bit")
     p.add_argument("--istar-warm-batches", type=int, default=4,
                    help="iStar: PRM steps on earlier batches of the frozen policy before the scored batch")
     p.add_argument("--reps", type=int, default=1000, help="bootstrap resamples")
@@ -969,6 +972,7 @@ def main(argv=None) -> dict:
                      turns=d.turns if a.turns is None else a.turns, seed=a.seed)
         t1 = time.time()
         extra = ["--tiny-preset", a.tiny_preset] if a.tiny_preset else []
+        extra += ["--model-name", a.model_name] if a.model_name else []
         kw = {"env_id": env_id} if env_id else {}
         if m == "istar":
             kw["warm_batches"] = a.istar_warm_batches

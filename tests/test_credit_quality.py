@@ -292,3 +292,24 @@ def test_delta_belief_adapter_scores_three_credits_on_a_micro_policy(tiny_cache,
         assert set(r["credit"]) == set(res["labels"]) and set(r["credit_by_group_size"]) == {"2"}
         by_traj.setdefault(r["traj"], set()).add(r["credit"]["StarPO"])
     assert all(len(v) == 1 for v in by_traj.values())  # StarPO: one advantage for all of an episode's turns
+
+
+def test_model_name_and_tiny_preset_reach_the_adapters_as_script_flags(monkeypatch, tmp_path, one_thread):
+    """`--model-name` (a pretrained model on a GPU) and `--tiny-preset` are handed to the method adapter as the
+    script's own flags (built once for every method), so its `tyro.cli(<script>.Args, ...)` loads that model."""
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def recording(cfg, argv=(), **kw):
+        seen["argv"] = list(argv)
+        raise Stop
+
+    monkeypatch.setitem(cq.ADAPTERS, "graphgpo", recording)
+    with pytest.raises(Stop):
+        cq.main(["--methods", "graphgpo", "--model-name", "Qwen/Qwen2.5-1.5B-Instruct", "--out", str(tmp_path / "o.json")])
+    assert seen["argv"] == ["--model-name", "Qwen/Qwen2.5-1.5B-Instruct"]
+    with pytest.raises(Stop):
+        cq.main(["--methods", "graphgpo", "--tiny-preset", "micro", "--out", str(tmp_path / "o.json")])
+    assert seen["argv"] == ["--tiny-preset", "micro"]
