@@ -128,6 +128,13 @@ TABLES = [
           baselines=("starpo",), seeds=tuple(range(4, 13)), extra="--num-iterations 64 --eval-every 32", summary=True,
           note="Evaluations with common random numbers. Twenty Questions with compound secrets; 64 iterations of "
                "8 secrets × 4 games (the default)."),
+    # The same command on seeds 4-6 again at the current code (2026-11-27, commit c61f565: after 8fda9d8's
+    # rounding), for the training rollouts' success (`train_charts`) beside the test secrets'.
+    Table("delta_belief_trainsuccess", "docs/delta_belief.md", "delta_belief",
+          {"delta": ("ΔBelief-RL", ""), "starpo": ("StarPO", "--reward-mode starpo")}, method="delta",
+          baselines=("starpo",), seeds=(4, 5, 6), extra="--num-iterations 64 --eval-every 32", power=False,
+          note="Evaluations with common random numbers. The default run again on seeds 4-6 at the current code, "
+               "recording the success of the training games (train secrets) beside the test secrets'."),
     # The tiny learning rate was 5e-4 until 2026-11-27 (then 2.5e-4, chosen on tuning seeds 1-3 and 21-24;
     # docs/aria.md, "Defaults"): these two tables and aria_crn ran at 5e-4.
     Table("aria", "docs/aria.md", "aria",
