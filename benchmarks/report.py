@@ -280,17 +280,25 @@ def variant_stats(runs: dict[int, dict]) -> dict:
             "wall_median": statistics.median(walls), "wall_min": min(walls), "wall_max": max(walls)}
 
 
-def train_chart(runs: dict[int, dict], metric: str) -> dict | None:
-    """The training rollouts' counterpart of the test metric (`charts/<name>` of `eval/<name>`, else
-    `charts/success`), mean over the runs that recorded `train_charts` of its first- and last-quarter
-    means; None if no run recorded it (lines written before the runner kept it)."""
+def train_chart_key(runs_by_variant: list[dict[int, dict]], metric: str) -> str | None:
+    """The training rollouts' counterpart of the test metric that the runs recorded in `train_charts`:
+    `charts/<name>` of `eval/<name>`, else `charts/success`; None if no run recorded either (lines written
+    before the runner kept them). One key for all variants, so a table compares like with like."""
     for key in ("charts/" + metric.split("/", 1)[-1], "charts/success"):
-        got = [runs[s]["train_charts"] for s in sorted(runs)
-               if key in (runs[s].get("train_charts") or {}).get("first", {})]
-        if got:
-            return {"key": key, "n": len(got), "first": statistics.fmean(c["first"][key] for c in got),
-                    "last": statistics.fmean(c["last"][key] for c in got)}
+        if any(key in (r.get("train_charts") or {}).get("first", {}) for runs in runs_by_variant
+               for r in runs.values()):
+            return key
     return None
+
+
+def train_chart(runs: dict[int, dict], key: str) -> dict | None:
+    """`key`'s first- and last-quarter means over the training iterations, averaged over the runs that
+    recorded it (None if none did)."""
+    got = [runs[s]["train_charts"] for s in sorted(runs) if key in (runs[s].get("train_charts") or {}).get("first", {})]
+    if not got:
+        return None
+    return {"n": len(got), "first": statistics.fmean(c["first"][key] for c in got),
+            "last": statistics.fmean(c["last"][key] for c in got)}
 
 
 def paired(method: dict[int, dict], baseline: dict[int, dict]) -> dict | None:
@@ -405,13 +413,13 @@ def render_table(table: Table, records: list[dict], with_plot: bool = False) -> 
         out.append(f"| {label} | `{cmd}` | {s['n']} | {s['before']:.3f} | {s['after']:.3f} | "
                    f"{pm(s['change'], s['change_se'])} | {s['rose']}/{s['n']} | {g} | "
                    f"{s['wall_median']:.0f} [{s['wall_min']:.0f}, {s['wall_max']:.0f}] |")
-    charts = {v: train_chart(runs[v], metric) for v in stats}
-    if any(charts.values()):
-        key = next(c["key"] for c in charts.values() if c)
+    key = train_chart_key([runs[v] for v in stats], metric)
+    charts = {v: train_chart(runs[v], key) for v in stats} if key else {}
+    if charts:
+        cells = [f"{table.variants[v][0]} {c['first']:.3f} → {c['last']:.3f} ({c['n']} run{'' if c['n'] == 1 else 's'})"
+                 for v, c in charts.items() if c]
         out += ["", f"On the training tasks (`{key}` of the training rollouts, mean over the first → the last "
-                    "quarter of the iterations, runs that recorded it): "
-                + "; ".join(f"{table.variants[v][0]} {c['first']:.3f} → {c['last']:.3f} ({c['n']} run{'s' if c['n'] != 1 else ''})"
-                            for v, c in charts.items() if c) + "."]
+                    "quarter of the iterations, runs that recorded it): " + "; ".join(cells) + "."]
     paired_eval = any(r.get("paired") for r in lines)
     own_se = ("± the run's own SE: the first and last evaluation paired episode by episode, with common random "
               "numbers; in brackets the SE of two independent evaluations" if paired_eval else "± the run's own SE")

@@ -167,6 +167,16 @@ def test_train_success_sentence_by_hand(tmp_path):
     assert "`charts/success` of the training rollouts" in text
     path.write_text("".join(json.dumps(line(v, s, 0.4, 0.5)) + "\n" for v in "mb" for s in (4, 5)))
     assert "training rollouts" not in report.render_table(TOY, learning.read_results(path))
+    # one key for the whole table: the metric's own (`charts/payoff_share` of `eval/payoff_share`) when any run
+    # has it; a run with only `charts/success` is then left out, not shown under the other key's name
+    share = {"iterations": 10, "first": {"charts/payoff_share": 0.40, "charts/success": 0.1},
+             "last": {"charts/payoff_share": 0.46, "charts/success": 0.2}}
+    recs = [dict(line("m", 4, 0.4, 0.5), metric="eval/payoff_share", train_charts=share),
+            dict(line("b", 4, 0.4, 0.5), metric="eval/payoff_share", train_charts=charts(0.20, 0.30))]
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    text = report.render_table(TOY, learning.read_results(path))
+    assert "(`charts/payoff_share` of the training rollouts" in text
+    assert "runs that recorded it): Method 0.400 → 0.460 (1 run)." in text
 
 
 def test_window_means_by_hand():
