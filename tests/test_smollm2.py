@@ -119,6 +119,38 @@ def _unreachable_index(monkeypatch):
         monkeypatch.delenv(var, raising=False)
 
 
+_CHURN = """
+import os, sys
+from concurrent.futures import ThreadPoolExecutor
+sys.path.insert(0, sys.argv[1])
+from conftest import run_in_background
+with ThreadPoolExecutor(1) as lane:  # starts children from a worker thread, as smollm2_lane does
+    futures = [lane.submit(run_in_background, [sys.executable, "-c", "pass"], dict(os.environ))
+               for _ in range(40)]
+    i = 0
+    while not all(f.done() for f in futures):  # the main thread writes the environment meanwhile
+        os.environ[f"CHURN_{i % 500}"] = "x" * (i % 300)
+        i += 1
+        if i % 500 == 0:
+            for k in [k for k in os.environ if k.startswith("CHURN_")]:
+                del os.environ[k]
+print(sum(not f.result() for f in futures), "of", len(futures), "failed to start")
+"""
+
+
+def test_background_fetch_starts_while_the_main_thread_writes_the_environment():
+    """smollm2_lane starts the download from a worker thread while the session's tests set environment
+    variables. With the inherited environment (env=None) 5 to 9 of these 40 starts failed here with
+    `OSError: [Errno 14] Bad address` (four tries; CI failed on it); with the environment copied in the
+    calling thread, none does."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-c", _CHURN, str(REPO / "tests")], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["0", "of", "40", "failed", "to", "start"], proc.stdout
+
+
 def test_unreachable_package_index_is_one_line(tmp_path, monkeypatch):
     _unreachable_index(monkeypatch)
     with pytest.raises(DownloadError) as e:
