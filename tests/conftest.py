@@ -163,8 +163,9 @@ class LaneRuns:
 
 
 @pytest.fixture(scope="session")
-def smollm2_runs(smollm2_lane, tiny_cache, method_pool, tmp_path_factory):
-    """Every SmolLM2 end-to-end run of tests/test_smollm2.py (its CASES), keyed by (script, four_bit).
+def smollm2_runs(request, smollm2_lane, tiny_cache, method_pool, tmp_path_factory):
+    """The SmolLM2 end-to-end runs of tests/test_smollm2.py (its CASES) that the selected tests read,
+    keyed by (script, four_bit): all six in a full run, one with `-k "runs_on_smollm2 and aria"`.
     They are the suite's longest runs (about ten minutes of one core), so they are queued when the
     session starts (`_start_smollm2_runs_early`), after the fetch on `smollm2_lane`, and run one at a
     time while the in-process tests run on the other core (at one torch thread meanwhile); the tests
@@ -174,10 +175,13 @@ def smollm2_runs(smollm2_lane, tiny_cache, method_pool, tmp_path_factory):
 
     from tests.test_smollm2 import CASES, COMMON, E2E
 
+    selected = {(item.callspec.params["script"], item.callspec.params["four_bit"])
+                for item in request.session.items if "smollm2_runs" in getattr(item, "fixturenames", ())}
     root = tmp_path_factory.mktemp("smollm2_runs")
     specs = {(script, four_bit): (script, ["--model-name", "smollm2-135m", "--load-in-4bit", str(four_bit),
                                            *COMMON, *E2E[script]], root / f"{script}-{four_bit}", 1800)
-             for script, four_bit in sorted(CASES, key=lambda case: case != ("epo.py", True))}
+             for script, four_bit in sorted(CASES, key=lambda case: case != ("epo.py", True))
+             if (script, four_bit) in selected}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield LaneRuns(smollm2_lane, method_pool, specs, tiny_cache)
