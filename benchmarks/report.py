@@ -122,7 +122,9 @@ TABLES = [
     # The default since later on 2026-11-26: 64 iterations of 8 x 4, evaluated at 32 and 64; chosen over 32 on
     # seeds 1-3 (docs/delta_belief.md, "Twice the iterations").
     # Seeds 9-10 added on 2026-11-27 at commit 8fda9d8 (length-sorted micro-batches: the same maths, other rounding),
-    # seeds 11-12 later that day at 20cc912.
+    # seeds 11-12 later that day at 20cc912. Later still, seeds 4-6's lines of delta_belief_trainsuccess (c61f565)
+    # and seeds 7-8 run again at 347d816 were appended: the table (the last line of each seed) is every run at the
+    # current code, the first runs of seeds 4-8 (40abeb8, before 8fda9d8) stay in the file above them.
     Table("delta_belief_it64_crn", "docs/delta_belief.md", "delta_belief",
           {"delta": ("ΔBelief-RL", ""), "starpo": ("StarPO", "--reward-mode starpo")}, method="delta",
           baselines=("starpo",), seeds=tuple(range(4, 13)), extra="--num-iterations 64 --eval-every 32", summary=True,
