@@ -133,6 +133,10 @@ def method_pool(tiny_cache):
     pool.shutdown(wait=True, cancel_futures=True)
 
 
+def _reads_smollm2_runs(item) -> bool:
+    return "smollm2_runs" in getattr(item, "fixturenames", ())
+
+
 class LaneRuns:
     """Runs queued on a lane of one worker after a fetch; `result(key)` waits for one. The first call moves
     every run the lane has not started yet to method_pool, so the two cores finish them together."""
@@ -176,7 +180,7 @@ def smollm2_runs(request, smollm2_lane, tiny_cache, method_pool, tmp_path_factor
     from tests.test_smollm2 import CASES, COMMON, E2E
 
     selected = {(item.callspec.params["script"], item.callspec.params["four_bit"])
-                for item in request.session.items if "smollm2_runs" in getattr(item, "fixturenames", ())}
+                for item in request.session.items if _reads_smollm2_runs(item)}
     root = tmp_path_factory.mktemp("smollm2_runs")
     specs = {(script, four_bit): (script, ["--model-name", "smollm2-135m", "--load-in-4bit", str(four_bit),
                                            *COMMON, *E2E[script]], root / f"{script}-{four_bit}", 1800)
@@ -191,14 +195,14 @@ def smollm2_runs(request, smollm2_lane, tiny_cache, method_pool, tmp_path_factor
 @pytest.fixture(scope="session", autouse=True)
 def _start_smollm2_runs_early(request):
     """Queue `smollm2_runs` when the session starts, if a selected test reads them."""
-    if any("smollm2_runs" in getattr(item, "fixturenames", ()) for item in request.session.items):
+    if any(_reads_smollm2_runs(item) for item in request.session.items):
         request.getfixturevalue("smollm2_runs")
 
 
 def pytest_collection_modifyitems(items):
     """The tests that read `smollm2_runs` go last (a stable sort), after the in-process tests that run
     beside those runs."""
-    items.sort(key=lambda item: "smollm2_runs" in getattr(item, "fixturenames", ()))
+    items.sort(key=_reads_smollm2_runs)
 
 
 @pytest.fixture(scope="module")
