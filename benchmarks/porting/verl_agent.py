@@ -354,16 +354,67 @@ def rollout_like_verl_agent(tok, n, max_steps, seed=0):
     return DataProto.from_single_dict(collate_fn(kept))
 
 
+def kernels_on_games(rows):
+    """The kernels called directly on GAMES' turns (EPO's weights scaled by N = rows as its branch
+    does). Returns (turns, per-turn columns, {method: per-turn values}, EPO's rule-mark values)."""
+    from aria import aria_advantages, hash_embed
+    from delta_belief import delta_belief_advantages
+    from epo import epo_advantages, rule_critical_turns
+    from graphgpo import graphgpo_advantages
+    from istar import istar_turn_advantages
+
+    turns = [(g[0], s) for g in GAMES for s in range(len(g[2]))]
+    game = {g[0]: g for g in GAMES}
+    col = {name: [] for name in ("group", "traj", "turn", "state", "next", "won", "score",
+                                 "invalid", "ratio", "beliefs", "critical", "action")}
+    for name, s in turns:
+        g, st = game[name], game[name][2][s]
+        for k, v in zip(col, (g[1], name, s, st[0], st[2], bool(g[3]), g[4], not st[3],
+                              torch.tensor(st[7], dtype=torch.float64), st[6], st[8], st[1])):
+            col[k].append(v)
+    repeated = [any(col["action"][j] == col["action"][i] and col["traj"][j] == col["traj"][i]
+                    for j in range(i)) for i in range(len(turns))]
+    texts, exact, history = [], [], []
+    for i, (name, s) in enumerate(turns):
+        if s == 0:
+            first = len(texts)
+        texts += [col["state"][i], col["action"][i]]
+        exact += [True, False]
+        history.append(list(range(first, len(texts))))
+    progress = {g[0]: [0.0] + [st[5] for st in g[2]] for g in GAMES}
+    rule = [bool(rule_critical_turns(progress[n])[s]) for n, s in turns]
+    weights = epo_advantages(col["traj"], col["turn"], col["score"], col["critical"], gamma=0.5)
+    live = {m for m, w in zip(col["traj"], weights) if w != 0}
+    epo_scaled = [w * rows / (len(live) * len(game[m][2]))
+                  for m, w in zip(col["traj"], weights)]
+    rule_w = epo_advantages(col["traj"], col["turn"], col["score"], rule, gamma=0.5)
+    rule_live = {m for m, w in zip(col["traj"], rule_w) if w != 0}
+    rule_scaled = [w * rows / (len(rule_live) * len(game[m][2]))
+                   for m, w in zip(col["traj"], rule_w)]
+    kernel = {
+        "graphgpo": graphgpo_advantages(col["group"], col["traj"], col["state"], col["next"],
+                                        col["won"], col["invalid"], omega=0.5, eps=0.0),
+        "istar": istar_turn_advantages(col["group"], col["traj"],
+                                       [float(w) for w in col["won"]], col["ratio"],
+                                       beta=0.05, alpha=1.0),
+        "delta_belief": delta_belief_advantages(col["group"], col["traj"], col["turn"],
+                                                col["won"], col["invalid"], repeated,
+                                                np.array(col["beliefs"], dtype=float), lam=0.1),
+        "aria": aria_advantages(col["traj"], ["agent"] * len(turns),
+                                [float(w) for w in col["won"]], history, texts, exact,
+                                hash_embed(texts), gamma=0.5),
+        "epo": np.array(epo_scaled),
+    }
+    col["repeated"], col["texts"], col["exact"], col["history"] = repeated, texts, exact, history
+    return turns, col, kernel, rule_scaled
+
+
 def check():
     from omegaconf import OmegaConf
     from tiny_lm import tiny_tokenizer
     from verl.utils.seqlen_balancing import get_seqlen_balanced_partitions
 
-    from aria import aria_advantages, hash_embed
-    from delta_belief import delta_belief_advantages
-    from epo import epo_advantages
     from graphgpo import graphgpo_advantages
-    from istar import istar_turn_advantages
 
     tok = tiny_tokenizer("see a b c d x y z q win go right left up down push box back jump"
                          .split())
@@ -393,49 +444,7 @@ def check():
     print(f"adjust_batch copied {len(copies)} rows (16 in all), balance_batch reordered them: "
           f"row -> turn {row_turn}")
 
-    # the kernels on the games' turns, straight from GAMES
-    game = {g[0]: g for g in GAMES}
-    col = {name: [] for name in ("group", "traj", "turn", "state", "next", "won", "score",
-                                 "invalid", "ratio", "beliefs", "critical", "action")}
-    for name, s in turns:
-        g, st = game[name], game[name][2][s]
-        for k, v in zip(col, (g[1], name, s, st[0], st[2], bool(g[3]), g[4], not st[3],
-                              torch.tensor(st[7], dtype=torch.float64), st[6], st[8], st[1])):
-            col[k].append(v)
-    repeated = [any(col["action"][j] == col["action"][i] and col["traj"][j] == col["traj"][i]
-                    for j in range(i)) for i in range(len(turns))]
-    texts, exact, history = [], [], []
-    for i, (name, s) in enumerate(turns):
-        if s == 0:
-            first = len(texts)
-        texts += [col["state"][i], col["action"][i]]
-        exact += [True, False]
-        history.append(list(range(first, len(texts))))
-    progress = {g[0]: [0.0] + [st[5] for st in g[2]] for g in GAMES}
-    from epo import rule_critical_turns
-    rule = [bool(rule_critical_turns(progress[n])[s]) for n, s in turns]
-    weights = epo_advantages(col["traj"], col["turn"], col["score"], col["critical"], gamma=0.5)
-    live = {m for m, w in zip(col["traj"], weights) if w != 0}
-    epo_scaled = [w * len(data) / (len(live) * len(game[m][2]))
-                  for m, w in zip(col["traj"], weights)]
-    rule_w = epo_advantages(col["traj"], col["turn"], col["score"], rule, gamma=0.5)
-    rule_live = {m for m, w in zip(col["traj"], rule_w) if w != 0}
-    rule_scaled = [w * len(data) / (len(rule_live) * len(game[m][2]))
-                   for m, w in zip(col["traj"], rule_w)]
-    kernel = {
-        "graphgpo": graphgpo_advantages(col["group"], col["traj"], col["state"], col["next"],
-                                        col["won"], col["invalid"], omega=0.5, eps=0.0),
-        "istar": istar_turn_advantages(col["group"], col["traj"],
-                                       [float(w) for w in col["won"]], col["ratio"],
-                                       beta=0.05, alpha=1.0),
-        "delta_belief": delta_belief_advantages(col["group"], col["traj"], col["turn"],
-                                                col["won"], col["invalid"], repeated,
-                                                np.array(col["beliefs"], dtype=float), lam=0.1),
-        "aria": aria_advantages(col["traj"], ["agent"] * len(turns),
-                                [float(w) for w in col["won"]], history, texts, exact,
-                                hash_embed(texts), gamma=0.5),
-        "epo": np.array(epo_scaled),
-    }
+    turns, col, kernel, rule_scaled = kernels_on_games(rows=len(data))
     mask = data.batch["response_mask"].float()
     failed = []
     print("  traj step  state->next  action      won score  " + "  ".join(
