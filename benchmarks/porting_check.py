@@ -14,6 +14,11 @@ repository on sys.path and one torch thread, and writes
 - docs/porting.md: the part of each snippet a user copies, between its two marker lines
   `<!-- snippet:NAME -->` and `<!-- /snippet:NAME -->` (nothing else in that file changes).
 
+And two files that check all five methods at once (`PASS <method>_<name>` per method):
+benchmarks/porting/verl_agent.py (verl-agent's rollout layout and trainer branch) and
+benchmarks/porting/verl_v1.py (verl 0.9.1's v1 trainer). No warning is silenced: the doc lists
+each run's warnings, as a user will see them.
+
 Not part of the test suite (it installs verl, ray and TRL, about 2 GB): tests/ never imports it.
 A method whose snippet is not written yet is listed as TODO. Runs in about a minute with the venv
 in place, a few minutes more to build it.
@@ -40,17 +45,22 @@ DOC = REPO / "docs" / "porting_check.md"
 GUIDE = REPO / "docs" / "porting.md"
 METHODS = ["graphgpo", "istar", "delta_belief", "aria", "epo"]
 FRAMEWORKS = ["verl", "trl"]
+# files that check all five methods at once, printing `PASS <method>_<name>` for each
+SUITES = {"verl_agent": "verl-agent", "verl_v1": "verl v1"}
+VERL_AGENT_COMMIT = "796ed310287fa605c9292a0fce07a86d79fde05e"  # what verl_agent.py follows
 TORCH = ["torch==2.13.0"]  # first and alone: the CPU wheel on disk (docs/porting_check.md)
 # verl's own requirements, less its GPU extras; cachetools, uvicorn and fastapi are what importing
 # verl.trainer.ppo.ray_trainer (verl's compute_advantage) needs beyond them (its verl-core extra).
 # transformers: the newest verl 0.9.1 admits (< 5.11). tyro, tqdm, scipy: graphgpo.py's imports.
+# TransferQueue, pyzmq, msgspec: what importing verl's v1 trainer (verl_v1.py) needs (verl-core).
 PACKAGES = ["verl==0.9.1", "trl==1.16.0", "transformers==5.10.4", "cachetools==8.0.2",
-            "uvicorn==0.54.0", "fastapi==0.165.0", "tyro==1.0.17", "tqdm==4.70.1", "scipy==1.17.1"]
+            "uvicorn==0.54.0", "fastapi==0.165.0", "tyro==1.0.17", "tqdm==4.70.1", "scipy==1.17.1",
+            "TransferQueue==0.1.11", "pyzmq==27.3.0", "msgspec==0.22.0"]
 SHOWN = ["torch", "verl", "trl", "transformers", "accelerate", "datasets", "tensordict", "ray",
          "omegaconf", "numpy", "scipy", "tyro"]
+# No warning is silenced: each snippet's warnings are what a user sees, listed in the doc.
 ENV = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-       "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRL_EXPERIMENTAL_SILENCE": "1",
-       "PYTHONWARNINGS": "ignore"}
+       "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
 CHECK_LINE = "# ---- check"
 
 
@@ -119,7 +129,21 @@ def run_snippet(venv: Path, path: Path, timeout: int) -> dict:
     name = path.stem
     ok = rc == 0 and f"PASS {name}" in out
     return {"name": name, "ok": ok, "rc": rc, "seconds": time.time() - start,
-            "stdout": out.rstrip(), "stderr_tail": "\n".join(err.rstrip().splitlines()[-25:])}
+            "stdout": out.rstrip(), "stderr_tail": "\n".join(err.rstrip().splitlines()[-25:]),
+            "warnings": warnings_of(out + "\n" + err)}
+
+
+def warnings_of(text: str) -> list[str]:
+    """The distinct warnings a run printed (Python's and the frameworks' log lines), each once,
+    paths shortened to the package's own."""
+    seen = {}
+    for line in text.splitlines():
+        if re.search(r"Warning\b|^WARNING", line) and "warnings.warn(" not in line:
+            line = re.sub(r"^WARNING:\d{4}-\d\d-\d\d [\d:,]+:", "WARNING:", line.strip())
+            line = re.sub(r"\S*site-packages/", "", line)
+            line = re.sub(r"\S*/benchmarks/", "benchmarks/", line)
+            seen.setdefault(line[:160], None)
+    return list(seen)
 
 
 def user_part(path: Path) -> str:
@@ -174,10 +198,27 @@ def write_doc(results, commands, vers, build, wall, started):
                 res = "PASS" if r["ok"] else f"FAIL (exit {r['rc']})"
                 lines.append(f"| {method} | {fw} | [{r['name']}.py](../benchmarks/porting/"
                              f"{r['name']}.py) | {res} | {r['seconds']:.0f} |")
+    for suite, label in SUITES.items():
+        r = results.get(suite)
+        for method in METHODS:
+            if r is None:
+                lines.append(f"| {method} | {label} | not run | | |")
+                continue
+            res = "PASS" if f"PASS {method}_{suite}" in r["stdout"] else "FAIL"
+            lines.append(f"| {method} | {label} | [{suite}.py](../benchmarks/porting/{suite}.py) "
+                         f"| {res} | {r['seconds']:.0f} (all five) |")
+    lines += ["", *para(f"verl-agent: `verl_agent.py` follows verl-agent's layout at "
+                        f"commit {VERL_AGENT_COMMIT} (read, not installed: the rows are built "
+                        "with verl 0.9.1's DataProto, collate_fn and seqlen balancing). verl v1: "
+                        "TransferQueue's kv_batch_get/kv_batch_put are an in-memory stand-in "
+                        "(the real one starts Ray actors).")]
     for r in results.values():
         lines += ["", f"### {r['name']}", "", f"{r['seconds']:.0f} s, exit {r['rc']}:", "",
                   "```", f"$ PYTHONPATH=. OMP_NUM_THREADS=1 {r['python']} \\",
                   f"    benchmarks/porting/{r['name']}.py", *checked_lines(r["stdout"]), "```"]
+        if r["warnings"]:
+            lines += ["", "Warnings it printed (what a user sees; none is silenced):", "", "```",
+                      *r["warnings"], "```"]
         if not r["ok"]:
             lines += ["", "End of stderr:", "", "```", r["stderr_tail"], "```"]
     DOC.write_text("\n".join(lines) + "\n")
@@ -194,7 +235,7 @@ def fill_guide(results, vers):
         if start not in text or end not in text:
             print(f"docs/porting.md: no {start} ... {end} markers; {name} not filled in")
             continue
-        fw = name.rsplit("_", 1)[1]
+        fw = "verl" if name in SUITES else name.rsplit("_", 1)[1]
         status = "passed" if r["ok"] else "FAILED"
         block = (f"{start}\n```python\n{user_part(SNIPPETS / f'{name}.py')}```\n\n"
                  f"Checked against {fw} {vers.get(fw, '?')} by `benchmarks/porting_check.py`: "
@@ -228,6 +269,15 @@ def main():
             if not r["ok"]:
                 print(r["stdout"][-2000:] + "\n" + r["stderr_tail"])
             results[r["name"]] = r
+    for suite in SUITES:
+        path = SNIPPETS / f"{suite}.py"
+        r = run_snippet(args.venv, path, args.timeout)
+        r["python"] = shown(venv_python(args.venv))
+        r["ok"] = r["rc"] == 0 and all(f"PASS {m}_{suite}" in r["stdout"] for m in METHODS)
+        print(f"{suite}: {'PASS' if r['ok'] else 'FAIL'} ({r['seconds']:.0f} s)", flush=True)
+        if not r["ok"]:
+            print(r["stdout"][-2000:] + "\n" + r["stderr_tail"])
+        results[suite] = r
     build_file = args.venv / "porting-build.json"
     build = json.loads(build_file.read_text()) if build_file.exists() else {}
     build["this_run"] = installed

@@ -6,9 +6,9 @@ acting player, that player's outcome R in the game, and the game's utterances: t
 order (actions and observations; in self-play every message), which of them are labelled by their
 exact text, and where the row's action sits among them (`pos`). The rollout puts them in
 non_tensor_batch (the game's lists on each of its rows). The credit is one clustering of every
-utterance of the batch, so the estimator, which verl runs on the driver with the whole batch,
-embeds them there (`embed`: aria.py's model-free hash_embed, or a sentence encoder) and calls the
-kernel once; `index` (the group) is not used. ARIA's loss, -(1/B) Σ_turns Ã_t Σ_tokens log π, is
+utterance of the batch, so the estimator, which verl runs in its trainer process (the TaskRunner
+actor) with the whole batch, embeds them there (`embed`: aria.py's model-free hash_embed, or a
+sentence encoder) and calls the kernel once; `index` (the group) is not used. ARIA's loss, -(1/B) Σ_turns Ã_t Σ_tokens log π, is
 verl's policy loss "gpg" (−A log π: no ratio, no clip) with loss_agg_mode "seq-mean-token-sum"
 over mini-batches of B rows, and ARIA's epochs are ppo_epochs: without a ratio every epoch is
 plain REINFORCE on the same weights, as in aria.py. `compute_advantage_with_turns` is

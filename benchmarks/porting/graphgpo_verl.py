@@ -64,7 +64,8 @@ def compute_advantage_with_turns(data, config):
     return data
 
 
-# Use: import this module in the driver process (verl computes advantages there), run with
+# Use: import this module in the process that runs the trainer, the Ray actor TaskRunner (not
+# the script you start): Ray's worker_process_setup_hook, e.g. verl_v1.py's setup; run with
 #   algorithm.adv_estimator=graphgpo +algorithm.graphgpo.omega=0.8
 # and in the trainer, where it calls compute_advantage(batch, ...):
 #   batch = compute_advantage_with_turns(batch, self.config.algorithm)

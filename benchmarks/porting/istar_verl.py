@@ -83,7 +83,7 @@ def istar_prm_batch(data, config):
     prm = data.select(batch_keys=list(TOKENS), non_tensor_batch_keys=["uid", "traj_uid"])
     prm.batch["advantages"] = -beta * grad.to(mask.dtype)[:, None] * mask  # "gpg": −A log π_φ
     prm.batch["old_log_probs"] = data.batch["prm_log_probs"]  # π_φ's own: ratio 1
-    return prm, float(loss)
+    return prm, float(loss.detach())
 
 
 def compute_advantage_with_turns(data, config):
