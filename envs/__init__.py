@@ -37,11 +37,23 @@ def available() -> list[str]:
 
 
 def make(env_id: str, **options: Any):
-    """Build an env by id. Unknown id -> ValueError listing the known ids."""
+    """Build an env by id. Unknown id -> ValueError listing the known ids.
+
+    `system_prompt="..."` (any env) replaces the env's system message, for every player of a two-player
+    game: a fine-tuned policy that learned the rules from demonstrations needs one line, not the rules
+    (the SmolLM2 starting policies, common/smollm2.py)."""
     if env_id not in REGISTRY or env_id not in available():
         raise ValueError(f"unknown env id {env_id!r}; known env ids: {', '.join(available())}")
+    system_prompt = options.pop("system_prompt", None)
+    if system_prompt is not None and not isinstance(system_prompt, str):
+        raise ValueError(f"system_prompt must be a string, got {system_prompt!r}")
     module, cls = REGISTRY[env_id].split(":")
-    return getattr(importlib.import_module(module), cls)(**options)
+    env = getattr(importlib.import_module(module), cls)(**options)
+    if system_prompt is not None:
+        env.system_prompt_override = system_prompt
+        if isinstance(env, TextEnv):
+            env.system_prompt = system_prompt
+    return env
 
 
 class Seated:
