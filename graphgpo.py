@@ -76,7 +76,7 @@ class Args:
     checkpoint_every: int = 10
     """save the adapter and checkpoint.pt every this many iterations (0: only at the end)"""
     resume: Optional[str] = None
-    """a run directory: continue that run from its checkpoint.pt, with the arguments of its config.json"""
+    """a run directory: continue that run from its checkpoint.pt, with its config.json arguments"""
     torch_threads: int = 0
     """CPU threads for torch (0: leave torch's default)"""
 
@@ -932,8 +932,8 @@ def resumed_args(args):
 
     run_dir = Path(args.resume)
     if not (run_dir / "checkpoint.pt").is_file():
-        raise UserError(f"--resume {run_dir}: no checkpoint.pt there (a run writes one every --checkpoint-every "
-                        "iterations); pass the directory of a run that reached its first checkpoint")
+        raise UserError(f"--resume {run_dir}: no checkpoint.pt there (a run writes one every "
+                        "--checkpoint-every iterations); pass a run that reached its first one")
     saved = json.loads((run_dir / "config.json").read_text())
     names = {f.name for f in dataclasses.fields(args)} - {"resume"}
     return dataclasses.replace(args, **{k: v for k, v in saved.items() if k in names})
@@ -941,15 +941,16 @@ def resumed_args(args):
 
 def save_checkpoint(run_dir: Path, it, model, optimizers, rng, evals, extra=None):
     """checkpoint.pt, all that --resume needs to go on after iteration `it` as if the run had not
-    stopped: every LoRA tensor, the optimizers, every RNG state, the evaluations, the method's state."""
+    stopped: every LoRA tensor, the optimizers, the RNG states, the evaluations, the method's state."""
     state = {"iteration": it, "evals": evals, "extra": extra,
-             "lora": {n: p.detach().cpu().clone() for n, p in model.named_parameters() if "lora_" in n},
+             "lora": {n: p.detach().cpu().clone() for n, p in model.named_parameters()
+                      if "lora_" in n},
              "optimizers": {k: opt.state_dict() for k, opt in optimizers.items()},
-             "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-                     "run": rng.bit_generator.state}}
+             "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
+                     "torch": torch.get_rng_state(), "run": rng.bit_generator.state,
+                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}
     torch.save(state, run_dir / "checkpoint.pt.tmp")
-    Path(run_dir / "checkpoint.pt.tmp").replace(run_dir / "checkpoint.pt")  # a kill never leaves half a file
+    Path(run_dir / "checkpoint.pt.tmp").replace(run_dir / "checkpoint.pt")  # never half a file
 
 
 def load_checkpoint(run_dir: Path, model, optimizers, rng):
@@ -971,7 +972,8 @@ def load_checkpoint(run_dir: Path, model, optimizers, rng):
     rng.bit_generator.state = r["run"]
     for log in ("metrics.jsonl", "samples.jsonl"):
         lines = (run_dir / log).read_text().splitlines() if (run_dir / log).is_file() else []
-        kept = [line for line in lines if line.strip() and json.loads(line)["iteration"] <= ck["iteration"]]
+        kept = [line for line in lines
+                if line.strip() and json.loads(line)["iteration"] <= ck["iteration"]]
         (run_dir / log).write_text("".join(line + "\n" for line in kept))
     return ck["iteration"], ck["evals"], ck["extra"]
 
@@ -1097,7 +1099,8 @@ def main(args: Args):
 
     start = 0
     if args.resume:
-        start, (first_eval, last_eval), _ = load_checkpoint(run_dir, model, {"policy": optimizer}, rng)
+        start, (first_eval, last_eval), _ = load_checkpoint(run_dir, model, {"policy": optimizer},
+                                                            rng)
     else:
         first_eval = last_eval = run_eval(0)
         logger.log(0, first_eval)
