@@ -940,8 +940,8 @@ def resumed_args(args):
 
 
 def save_checkpoint(run_dir: Path, it, model, optimizers, rng, evals, extra=None):
-    """checkpoint.pt, all that --resume needs to go on after iteration `it` as if the run had not
-    stopped: every LoRA tensor, the optimizers, the RNG states, the evaluations, the method's state."""
+    """checkpoint.pt: what --resume needs to go on after iteration `it` as if the run had not
+    stopped (every LoRA tensor, the optimizers, RNG states, evaluations, the method's state)."""
     state = {"iteration": it, "evals": evals, "extra": extra,
              "lora": {n: p.detach().cpu().clone() for n, p in model.named_parameters()
                       if "lora_" in n},
