@@ -25,7 +25,7 @@ import torch
 
 from conftest import REPO, adapter_tensors, assert_run_outputs, read_metrics
 
-from common import models
+from common import models, smollm2
 from common.models import PACKAGED_MODELS, DownloadError, UserError, ensure_packaged_model, load_policy
 
 SPEC = PACKAGED_MODELS["smollm2-135m"]
@@ -412,7 +412,9 @@ def test_script_runs_on_smollm2(smollm2_cache, smollm2_runs, script, four_bit):
     assert summary["first_eval"] and summary["last_eval"]
     # the LoRA adapter of SmolLM2 was saved: every decoder linear of its 30 layers, rank 4 over hidden 576
     adapter_config = json.loads((run_dir / "adapter" / "adapter_config.json").read_text())
-    assert adapter_config["base_model_name_or_path"] == str(smollm2_cache / "smollm2-135m")
+    # the base: the env's shipped SFT adapter merged into SmolLM2 (common/smollm2.py), else SmolLM2 itself
+    base = smollm2.ensure_policy(config["env_id"]) or smollm2_cache / "smollm2-135m"
+    assert adapter_config["base_model_name_or_path"] == str(base)
     for name in ADAPTERS.get(script, ["default"]):
         tensors = adapter_tensors(run_dir, name)
         assert len(tensors) == 2 * N_LAYERS * len(TARGETS), name
