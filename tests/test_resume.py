@@ -20,6 +20,9 @@ COMMON = ["--model-name", "tiny", "--tiny-preset", "micro", "--torch-threads", "
           "--checkpoint-every", "1", "--eval-every", "2", "--eval-num-tasks", "2", "--lora-r", "4", "--lora-alpha", "8"]
 RESUME = {
     "graphgpo.py": ["--tasks-per-iteration", "1", "--group-size", "2", "--max-turns", "4"],
+    # positives: no invalid action, so the PRM has pairs and its replay buffer fills
+    "istar.py": ["--tasks-per-iteration", "2", "--group-size", "2", "--max-turns", "4", "--positive-threshold",
+                 "-0.05", "--sokoban-reward", "sparse"],
 }
 
 
