@@ -1,4 +1,4 @@
-"""Regenerate every results table in README.md and docs/*.md from the raw results in docs/results/*.jsonl.
+"""Regenerate every results table in docs/*.md from the raw results in docs/results/*.jsonl.
 
     python benchmarks/report.py              # rewrite the tables (and the learning-curve PNGs)
     python benchmarks/report.py --check      # exit 1 if any table in the docs differs from the results
@@ -25,7 +25,7 @@ success, first → last quarter of the iterations (does a change on the train ta
 per seed each change with its run's own SE; per (method,
 baseline) the paired difference of the changes on the same seed, mean ± SE over seeds, and, as a
 secondary statistic, the paired difference averaged over the evaluations during training (how far
-ahead a method was before the end). SUMMARY is the cross-method table in README.md: one row per
+ahead a method was before the end). SUMMARY is the cross-method table in docs/results.md: one row per
 (method, baseline) pair of the tables marked `summary`, each script's default run now, evaluated with
 common random numbers. POWER_DOC holds the power table: per pair of the tables marked `power`, how much the paired
 difference varies from seed to seed, how much of that the final evaluations' own noise explains, the
@@ -68,7 +68,7 @@ class Table:
     extra: str = ""  # flags for every run (learning.py's `-- ...`); "" measures the script's defaults
     parallel: int = 2  # runs at a time in the runner command (it changes the wall time)
     note: str = ""  # one sentence printed above the table
-    summary: bool = False  # its (method, baseline) pairs are rows of the README's cross-method table: the
+    summary: bool = False  # its (method, baseline) pairs are rows of the cross-method table (docs/results.md): the
     # script's default run now, with paired evaluations (one table per script and env)
     power: bool = True  # its (method, baseline) pairs are rows of the power table (docs/learning.md)
     earlier: str = ""  # flags restoring the defaults the runs had, when the script's defaults changed since:
@@ -171,7 +171,7 @@ TABLES = [
 # difference; GraphGPO and iStar: 4-12, four more for their bars and paired differences, and GraphGPO 13-19
 # too, a confirmatory set for GraphGPO > GiGPO with its rule fixed before the runs; EPO, whose defaults
 # were chosen on 4-6: 7-11). Those of GraphGPO, iStar and EPO are the default runs now, so they are the
-# README's summary rows (ΔBelief's and ARIA's defaults changed since their runs here: their summary rows are
+# The summary rows (docs/results.md) (ΔBelief's and ARIA's defaults changed since their runs here: their summary rows are
 # the tables above at the new defaults).
 CRN_SEEDS = {"graphgpo": tuple(range(4, 20)), "istar": tuple(range(4, 13)), "delta_belief": (4, 5, 6, 7, 8),
              "aria": tuple(range(4, 16)),
@@ -189,14 +189,14 @@ TABLES += [
     for t in list(TABLES) if t.key in CRN_SEEDS]
 
 
-SCRIPT_ORDER = ("graphgpo", "istar", "delta_belief", "aria", "epo")  # the README's order of the methods
+SCRIPT_ORDER = ("graphgpo", "istar", "delta_belief", "aria", "epo")  # the summary's order of the methods
 
 
 @dataclass(frozen=True)
 class Summary:
-    key: str = "summary"  # <!-- results:summary --> in README.md
-    doc: str = "README.md"
-    rows: tuple = field(default_factory=lambda: tuple(  # (table key, method, baseline), in the README's order
+    key: str = "summary"  # <!-- results:summary --> in docs/results.md
+    doc: str = "docs/results.md"
+    rows: tuple = field(default_factory=lambda: tuple(  # (table key, method, baseline), in the summary's order
         (t.key, t.method, b) for t in sorted((t for t in TABLES if t.summary), key=lambda t: SCRIPT_ORDER.index(t.script))
         for b in t.baselines))
     power_rows: tuple = field(default_factory=lambda: tuple(  # the same for the power table
@@ -205,10 +205,10 @@ class Summary:
 
 SUMMARY = Summary()
 
-# The shipped tiny policies (README): one row per testbed, from common/weights/MANIFEST.json and each
+# The shipped tiny policies (docs/results.md): one row per testbed, from common/weights/MANIFEST.json and each
 # policy's tiny_meta.json (written by `python -m common.tiny --testbed NAME --ship`). name -> what the
 # recipe changes from the default preset, in words (the recipe itself is in common/tiny.py).
-TESTBEDS_DOC = "README.md"  # <!-- results:testbeds -->
+TESTBEDS_DOC = "docs/results.md"  # <!-- results:testbeds -->
 POWER_DOC = "docs/learning.md"  # <!-- results:power -->
 TESTBED_NOTES = {
     "sokoban": "1 box, no history, no instruction text; eps 0.2, 1500 steps x 128, action smoothing 0.3",

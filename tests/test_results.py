@@ -281,7 +281,7 @@ def test_update_docs_writes_then_check_finds_a_stale_table(tmp_path, toy_records
     (tmp_path / "README.md").write_text("# Readme without markers\n")
     found, stale, errors = report.update_docs(tmp_path, check=True, tables=[TOY], summary=TOY_SUMMARY)
     assert found == stale == ["docs/toy.md: results:toy"] and errors == []
-    assert "README.md: no <!-- results:summary --> marker" in capsys.readouterr().out
+    assert "docs/results.md: no <!-- results:summary --> marker" in capsys.readouterr().out
     assert "<!-- /results:toy -->\n\nend" in (tmp_path / "docs" / "toy.md").read_text()  # --check wrote nothing
 
     found, stale, errors = report.update_docs(tmp_path, check=False, tables=[TOY], summary=TOY_SUMMARY)
@@ -313,7 +313,7 @@ def test_every_spec_is_consistent():
                                                               for b in t.baselines}
     assert {(k, m, b) for k, m, b in report.SUMMARY.power_rows} == {(t.key, t.method, b) for t in report.TABLES
                                                                     if t.power for b in t.baselines}
-    # the README's cross-method table: every script's default run (no `earlier` flags), one table per
+    # the cross-method table (docs/results.md): every script's default run (no `earlier` flags), one table per
     # (script, extra flags) and every script present
     summary_tables = [t for t in report.TABLES if t.summary]
     assert all(not t.earlier for t in summary_tables)
@@ -325,7 +325,7 @@ def test_the_docs_tables_match_the_committed_results():
     """`python benchmarks/report.py --check` on this checkout: a table edited by hand, or results added
     without regenerating the tables, fails here."""
     found, stale, errors = report.update_docs(REPO, check=True)
-    assert "README.md: results:summary" in found
+    assert "docs/results.md: results:summary" in found
     assert stale == [] and errors == [], "run python benchmarks/report.py"
 
 
