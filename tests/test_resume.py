@@ -23,6 +23,8 @@ RESUME = {
     # positives: no invalid action, so the PRM has pairs and its replay buffer fills
     "istar.py": ["--tasks-per-iteration", "2", "--group-size", "2", "--max-turns", "4", "--positive-threshold",
                  "-0.05", "--sokoban-reward", "sparse"],
+    "delta_belief.py": ["--tasks-per-iteration", "1", "--group-size", "2", "--max-turns", "3", "--eval-k", "1",
+                        "--max-new-tokens", "10"],
 }
 
 
