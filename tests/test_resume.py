@@ -25,6 +25,7 @@ RESUME = {
                  "-0.05", "--sokoban-reward", "sparse"],
     "delta_belief.py": ["--tasks-per-iteration", "1", "--group-size", "2", "--max-turns", "3", "--eval-k", "1",
                         "--max-new-tokens", "10"],
+    "aria.py": ["--games-per-iteration", "4", "--eval-k", "1", "--max-new-tokens", "10", "--eval-opponents", "fair"],
 }
 
 
