@@ -76,7 +76,9 @@ class Args:
     save_model: bool = True
     """save the LoRA adapter to <run>/adapter at checkpoints and at the end"""
     checkpoint_every: int = 5
-    """save the adapter every this many iterations (0: only at the end)"""
+    """save the adapter and checkpoint.pt every this many iterations (0: only at the end)"""
+    resume: Optional[str] = None
+    """a run directory: continue that run from its checkpoint.pt, with its config.json arguments"""
     torch_threads: int = 0
     """CPU threads for torch (0: leave torch's default)"""
 
@@ -968,7 +970,11 @@ def iteration_row(episodes, samples, ustats, cstats, seconds):
 
 
 def start_run(args, extra):
-    """The run directory, its config.json (every Args field as resolved, and `extra`), a Logger."""
+    """The run directory, its config.json (every Args field as resolved, and `extra`), a Logger.
+    With --resume: the run's own directory, its config.json as written when it started."""
+    if args.resume:
+        print(f"run dir: {args.resume} (resumed)")
+        return Path(args.resume), Logger(Path(args.resume), args.track)
     name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
     run_dir = Path(args.output_dir) / name
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -1068,6 +1074,58 @@ class Logger:
 
 def save_adapter(model, run_dir: Path):
     model.save_pretrained(str(run_dir / "adapter"))
+
+
+def resumed_args(args):
+    """--resume RUN_DIR: the arguments that run started with (its config.json), to go on with it."""
+    from common.models import UserError
+
+    run_dir = Path(args.resume)
+    if not (run_dir / "checkpoint.pt").is_file():
+        raise UserError(f"--resume {run_dir}: no checkpoint.pt there (a run writes one every "
+                        "--checkpoint-every iterations); pass a run that reached its first one")
+    saved = json.loads((run_dir / "config.json").read_text())
+    names = {f.name for f in dataclasses.fields(args)} - {"resume"}
+    return dataclasses.replace(args, **{k: v for k, v in saved.items() if k in names})
+
+
+def save_checkpoint(run_dir: Path, it, model, optimizers, rng, evals, extra=None):
+    """checkpoint.pt: what --resume needs to go on after iteration `it` as if the run had not
+    stopped (every LoRA tensor, the optimizers, RNG states, evaluations, the method's state)."""
+    state = {"iteration": it, "evals": evals, "extra": extra,
+             "lora": {n: p.detach().cpu().clone() for n, p in model.named_parameters()
+                      if "lora_" in n},
+             "optimizers": {k: opt.state_dict() for k, opt in optimizers.items()},
+             "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
+                     "torch": torch.get_rng_state(), "run": rng.bit_generator.state,
+                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}
+    torch.save(state, run_dir / "checkpoint.pt.tmp")
+    Path(run_dir / "checkpoint.pt.tmp").replace(run_dir / "checkpoint.pt")  # never half a file
+
+
+def load_checkpoint(run_dir: Path, model, optimizers, rng):
+    """Restore what save_checkpoint wrote and drop the log lines of later iterations (a killed run
+    may have logged some). Returns (iteration, evals, extra)."""
+    ck = torch.load(run_dir / "checkpoint.pt", map_location="cpu", weights_only=False)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, tensor in ck["lora"].items():
+            params[name].copy_(tensor)
+    for k, opt in optimizers.items():
+        opt.load_state_dict(ck["optimizers"][k])
+    r = ck["rng"]
+    random.setstate(r["python"])
+    np.random.set_state(r["numpy"])
+    torch.set_rng_state(r["torch"])
+    if r["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(r["cuda"])
+    rng.bit_generator.state = r["run"]
+    for log in ("metrics.jsonl", "samples.jsonl"):
+        lines = (run_dir / log).read_text().splitlines() if (run_dir / log).is_file() else []
+        kept = [line for line in lines
+                if line.strip() and json.loads(line)["iteration"] <= ck["iteration"]]
+        (run_dir / log).write_text("".join(line + "\n" for line in kept))
+    return ck["iteration"], ck["evals"], ck["extra"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1203,6 +1261,8 @@ def main(args: Args):
     from common.models import load_policy
 
     t_start = time.time()
+    if args.resume:
+        args = resumed_args(args)
     if args.torch_threads > 0:
         torch.set_num_threads(args.torch_threads)
     rng = seed_everything(args.seed)
@@ -1237,13 +1297,18 @@ def main(args: Args):
         return {"iteration": it, **{k: v for k, v in ev.items()
                                     if k.startswith("eval/") and "/vs_" not in k}}
 
-    first_eval = last_eval = run_eval(0)
-    logger.log(0, first_eval)
-    history = [eval_point(0, first_eval)]
-    print("eval before training: " + eval_line(first_eval))
+    start = 0
+    if args.resume:  # no optimizer to restore: each iteration makes a fresh one
+        start, (first_eval, last_eval), state = load_checkpoint(run_dir, model, {}, rng)
+        history, next_traj_id = state["history"], state["next_traj_id"]
+    else:
+        first_eval = last_eval = run_eval(0)
+        logger.log(0, first_eval)
+        history = [eval_point(0, first_eval)]
+        next_traj_id = 0
+        print("eval before training: " + eval_line(first_eval))
 
-    bar = tqdm(range(1, args.num_iterations + 1), desc="epo", dynamic_ncols=True)
-    next_traj_id = 0
+    bar = tqdm(range(start + 1, args.num_iterations + 1), desc="epo", dynamic_ncols=True)
     for it in bar:
         t0 = time.time()
         chosen = rng.choice(len(train_tasks), size=args.episodes_per_iteration,
@@ -1278,8 +1343,11 @@ def main(args: Args):
             row.update(last_eval)
             history.append(eval_point(it, last_eval))
         logger.log(it, row)
-        if args.save_model and args.checkpoint_every and it % args.checkpoint_every == 0:
-            save_adapter(model, run_dir)
+        if args.checkpoint_every and it % args.checkpoint_every == 0:
+            save_checkpoint(run_dir, it, model, {}, rng, (first_eval, last_eval),
+                            {"history": history, "next_traj_id": next_traj_id})
+            if args.save_model:
+                save_adapter(model, run_dir)
         bar.set_postfix(score=f"{row['charts/goal_score']:.2f}",
                         reward=f"{row['charts/return']:.2f}",
                         loss=f"{row['losses/policy_loss']:.3f}")

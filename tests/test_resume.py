@@ -26,6 +26,8 @@ RESUME = {
     "delta_belief.py": ["--tasks-per-iteration", "1", "--group-size", "2", "--max-turns", "3", "--eval-k", "1",
                         "--max-new-tokens", "10"],
     "aria.py": ["--games-per-iteration", "4", "--eval-k", "1", "--max-new-tokens", "10", "--eval-opponents", "fair"],
+    "epo.py": ["--episodes-per-iteration", "4", "--num-epochs", "2", "--trajectories-per-step", "2",
+               "--eval-opponents", "fair"],
 }
 
 
