@@ -15,7 +15,7 @@ from conftest import REPO
 METHODS = ["graphgpo.py", "istar.py", "delta_belief.py", "aria.py", "epo.py"]
 SHARED = ["Sample", "render_prompt", "encode", "completion_text", "CommonNoise", "generate", "completion_logprobs",
           "mean_se", "learning_summary", "print_learning", "Logger", "start_run", "eval_line",
-          "write_summary", "seed_everything"]
+          "write_summary", "seed_everything", "resumed_args", "save_checkpoint", "load_checkpoint"]
 SHARED_WHERE_DEFINED = ["save_adapter", "_padded"]
 
 
