@@ -262,6 +262,9 @@ def build(env_id: str, overrides: Optional[dict] = None, max_minutes: float = 0.
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(str(tmp), save_embedding_layers=False)
     _to_bf16(tmp / "adapter_model.safetensors")
+    config = json.loads((tmp / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = BASE  # the model's name, not this machine's cache path
+    (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     meta = {"recipe": recipe, "recipe_hash": recipe_hash(recipe), "demo_stats": stats,
             "loss_curve": tiny._curve_summary(state["losses"]), "sft_seconds": round(state["seconds"], 1),
             "eval_seconds": round(eval_seconds, 1), "success": success, "torch_threads": torch.get_num_threads()}
