@@ -288,7 +288,7 @@ def _to_bf16(path: Path) -> None:
 # ----------------------------------------------------------------------------------------------
 # Shipped adapters
 # ----------------------------------------------------------------------------------------------
-from common.tiny import _file_lock, _sha256  # noqa: E402  (one checksum and one lock for common/)
+from common.tiny import _file_lock, _sha256, check_checksums  # noqa: E402  (one checksum, one lock)
 
 
 def read_manifest(root: Optional[Path] = None) -> dict:
@@ -305,14 +305,7 @@ def shipped_adapter(env_id: str, root: Optional[Path] = None) -> Optional[Path]:
         return None
     fix = (f"restore it with `git checkout -- common/adapters/{entry['dir']}`, or rebuild it with "
            f"`python -m common.smollm2 build --env-id {env_id}` and `python -m common.smollm2 ship --env-id {env_id}`")
-    for fname, info in entry["files"].items():
-        path = root / entry["dir"] / fname
-        if not path.is_file():
-            raise AdapterError(f"shipped SmolLM2 adapter of {env_id}: {fname} is missing; {fix}")
-        digest = _sha256(path)
-        if digest != info["sha256"]:
-            raise AdapterError(f"shipped SmolLM2 adapter of {env_id}: {fname} has SHA-256 {digest[:12]}..., the "
-                               f"manifest says {info['sha256'][:12]}... (corrupted or edited); {fix}")
+    check_checksums(root / entry["dir"], entry["files"], f"shipped SmolLM2 adapter of {env_id}", fix, AdapterError)
     return root / entry["dir"]
 
 

