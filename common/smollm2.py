@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import os
 import random
 import shutil
@@ -122,8 +121,7 @@ def demonstrations(recipe: dict, tok, progress: bool = True) -> tuple[list[tuple
     """(prompt ids, completion ids) pairs of the recipe's demonstrations and their statistics."""
     from common import tiny
 
-    demo_recipe = {k: v for k, v in recipe.items() if k not in ("seed",)}
-    demo_recipe["seed"] = recipe["demo_seed"]
+    demo_recipe = {**recipe, "seed": recipe["demo_seed"]}  # the tiny recipe's demonstrations
     demos, stats = tiny.collect_demos(recipe["env_id"], demo_recipe, progress=progress)
     examples = []
     for messages, label in demos:
@@ -142,17 +140,6 @@ def batch_indices(n: int, batch_size: int, seed: int, step: int) -> list[int]:
     batches as an uninterrupted one."""
     rng = random.Random(seed * 1_000_003 + step)
     return rng.sample(range(n), min(batch_size, n))
-
-
-def lr_factor(step: int, recipe: dict) -> float:
-    steps = recipe["steps"]
-    warm = max(1, int(recipe["warmup_frac"] * steps))
-    if step < warm:
-        return (step + 1) / warm
-    start = max(warm, steps - int(recipe["decay_frac"] * steps))
-    if step < start:
-        return 1.0
-    return 0.5 * (1.0 + math.cos(math.pi * (step - start) / max(1, steps - start)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -231,7 +218,7 @@ def build(env_id: str, overrides: Optional[dict] = None, max_minutes: float = 0.
             t0 = time.time()
             step = state["step"]
             for group in opt.param_groups:
-                group["lr"] = recipe["lr"] * lr_factor(step, recipe)
+                group["lr"] = recipe["lr"] * tiny.lr_factor(step, recipe)
             idx = batch_indices(len(examples), recipe["batch_size"], recipe["seed"], step)
             loss = tiny.completion_loss(model, [examples[i] for i in idx], pad)
             opt.zero_grad(set_to_none=True)
@@ -414,7 +401,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             overrides[key] = value
     try:
         if a.command == "build":
-            done = build(a.env_id, overrides)  if not a.max_minutes else build(a.env_id, overrides, a.max_minutes)
+            done = build(a.env_id, overrides, a.max_minutes)
             print(done if done else "unfinished")
         elif a.command == "ship":
             if overrides:
