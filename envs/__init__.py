@@ -49,10 +49,10 @@ def make(env_id: str, **options: Any):
         raise ValueError(f"system_prompt must be a string, got {system_prompt!r}")
     module, cls = REGISTRY[env_id].split(":")
     env = getattr(importlib.import_module(module), cls)(**options)
-    if system_prompt is not None:
+    if system_prompt is not None and isinstance(env, TextEnv):
+        env.system_prompt = system_prompt
+    elif system_prompt is not None:
         env.system_prompt_override = system_prompt
-        if isinstance(env, TextEnv):
-            env.system_prompt = system_prompt
     return env
 
 

@@ -286,6 +286,7 @@ class TwoPlayerEnv:
     players: tuple[str, ...] = ("A", "B")
     max_rounds: int = 1
     shared_data: tuple = ()
+    system_prompt_override: Optional[str] = None  # every player's system message (envs.make(system_prompt=))
 
     def task_ids(self, split: str) -> list[str]:
         raise NotImplementedError

@@ -472,7 +472,7 @@ class OfferGame(TwoPlayerEnv):
         if past:
             parts.append("History:\n" + "\n".join(self._move_line(m) for m in past))
         parts.append(self.last_view(player))
-        system = getattr(self, "system_prompt_override", None) or self.system_prompt_for(player)
+        system = self.system_prompt_override or self.system_prompt_for(player)
         return [{"role": "system", "content": system},
                 {"role": "user", "content": "\n".join(parts)}]
 
