@@ -497,14 +497,10 @@ def completion_text(tok, completion) -> str:
 
 
 class CommonNoise:
-    """Temperature sampling as argmax(logits / T + Gumbel noise), the Gumbel-max trick (exactly a
-    sample of softmax(logits / T)), where row b's noise at its i-th new token comes from its own
-    generator, seeded by (*keys[b], i). The same key gives the same noise whatever else is in the
-    batch, so two policies that play the same evaluation episodes with the same keys sample with
-    common random numbers: they choose the same token wherever their distributions are close, and
-    the change between two evaluations is measured episode by episode, with a smaller standard error
-    than two independent evaluations give (docs/learning.md, "Common random numbers"). A logits
-    processor of `generate`."""
+    """Temperature sampling by the Gumbel-max trick, argmax(logits / T + Gumbel noise), exactly a
+    sample of softmax(logits / T), with row b's noise at its i-th new token drawn from a generator
+    seeded by (*keys[b], i): two policies evaluated with the same keys play with common random
+    numbers, so their difference has a small SE (docs/learning.md, "Common random numbers")."""
 
     def __init__(self, keys, temperature, width):
         self.keys, self.temperature, self.width = keys, temperature, width
@@ -775,7 +771,7 @@ def evaluate(model, tok, new_env, tasks, args):
     """Sampled (eval_k per test task, at the training temperature and at the paper's validation
     temperature 0.4: eval/success_val_temp) and greedy episodes on the test tasks. The sampled
     episodes draw common random numbers keyed by (seed, stream, episode), the same in every
-    evaluation of the run (and in every run of the seed), so `learning_summary` pairs the first and
+    evaluation of the run (and in every run of the seed), so `write_summary` pairs the first and
     the last evaluation episode by episode (eval/success_episodes)."""
     tasks_k = [t for t in tasks for _ in range(args.eval_k)]
     budget = args.max_new_tokens
@@ -833,24 +829,27 @@ def start_run(args, extra):
     return run_dir, Logger(run_dir, args.track)
 
 
-def eval_line(ev):
-    """An evaluation row as one printed line (its numbers, without the per-opponent breakdown)."""
-    return ", ".join(f"{k}={v:.3f}" for k, v in ev.items()
-                     if isinstance(v, float) and "/vs_" not in k)
+def eval_line(it, ev):
+    """An evaluation as one short line: each metric that has a standard error, as value ± SE."""
+    return f"eval @ iteration {it}: " + ", ".join(
+        f"{k.removeprefix('eval/')} {v:.3f} ± {ev[k + '_se']:.3f}" for k, v in ev.items()
+        if k + "_se" in ev and "_vs_" not in k)
 
 
-def write_summary(run_dir, args, wall_seconds, first_eval, last_eval, eval_metric, **extra):
-    """summary.json (the first and last evaluation, `extra`, the learning block), also printed."""
-    summary = {"run_dir": str(run_dir), "iterations": args.num_iterations,
+def write_summary(run_dir, args, wall_seconds, first_eval, last_eval, metric, **extra):
+    """summary.json (the first and last evaluation, `extra`) and the main metric before -> after;
+    the change's SE pairs the episodes when both evaluations played the same ones (CommonNoise)."""
+    summary = {"run_dir": str(run_dir), "iterations": args.num_iterations, "metric": metric,
                "wall_seconds": wall_seconds, "first_eval": first_eval, "last_eval": last_eval,
-               **extra,
-               "learning": learning_summary(first_eval, last_eval, eval_metric)}
+               **extra}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    scalars = {k: v for k, v in summary.items() if not isinstance(v, (dict, list))}
-    print("summary: " + json.dumps(scalars))
-    for name, ev in (("first", first_eval), ("last", last_eval)):
-        print(f"{name} eval: " + eval_line(ev))
-    print_learning(summary["learning"])
+    a, b = first_eval.get(metric + "_episodes"), last_eval.get(metric + "_episodes")
+    se = (first_eval.get(metric + "_se", 0.0), last_eval.get(metric + "_se", 0.0))
+    paired = a is not None and b is not None and len(a) == len(b) > 1
+    change_se = mean_se(np.subtract(b, a))[1] if paired else math.hypot(*se)
+    print(f"{metric}: {first_eval[metric]:.3f} ± {se[0]:.3f} before -> {last_eval[metric]:.3f} ± "
+          f"{se[1]:.3f} after ({last_eval[metric] - first_eval[metric]:+.3f} ± {change_se:.3f}"
+          f"{', paired' if paired else ''}), {wall_seconds / 60:.1f} min; run dir {run_dir}")
     return summary
 
 
@@ -861,34 +860,6 @@ def mean_se(values) -> tuple[float, float]:
     if x.size < 2:
         return (float(x.mean()) if x.size else 0.0), 0.0
     return float(x.mean()), float(scipy.stats.sem(x))
-
-
-def learning_summary(first, last, metric):
-    """The run's main evaluation metric before and after training, the change and its standard
-    error; `rose` / `fell`: the change is above +2 SE / below -2 SE. When both evaluations hold the
-    metric per episode (`<metric>_episodes`: the same episodes, played with common random numbers)
-    the SE is that of the per-episode differences (`paired`); otherwise the two evaluations' SEs in
-    quadrature, which is also kept as `change_se_quadrature` (the SE two independent evaluations
-    would give)."""
-    before, after = float(first[metric]), float(last[metric])
-    se0, se1 = float(first.get(metric + "_se", 0.0)), float(last.get(metric + "_se", 0.0))
-    change, quadrature = after - before, math.sqrt(se0 ** 2 + se1 ** 2)
-    a, b = first.get(metric + "_episodes"), last.get(metric + "_episodes")
-    paired = a is not None and b is not None and len(a) == len(b) > 1
-    se = mean_se(np.subtract(b, a))[1] if paired else quadrature
-    return {"metric": metric, "before": before, "before_se": se0, "after": after, "after_se": se1,
-            "change": change, "change_se": se, "change_se_quadrature": quadrature, "paired": paired,
-            "rose": bool(change > 2.0 * se), "fell": bool(change < -2.0 * se)}
-
-
-def print_learning(s):
-    print(f"{s['metric']}: {s['before']:.3f} ± {s['before_se']:.3f} before training, "
-          f"{s['after']:.3f} ± {s['after_se']:.3f} after "
-          f"({s['change']:+.3f} ± {s['change_se']:.3f}"
-          + (", SE paired by episode)" if s.get("paired") else ")"))
-    if s["fell"]:
-        print(f"WARNING: {s['metric']} fell by more than two standard errors ({s['change']:+.3f} ± "
-              f"{s['change_se']:.3f}): this run made the policy worse")
 
 
 class Logger:
@@ -937,6 +908,12 @@ def resumed_args(args):
     saved = json.loads((run_dir / "config.json").read_text())
     names = {f.name for f in dataclasses.fields(args)} - {"resume"}
     return dataclasses.replace(args, **{k: v for k, v in saved.items() if k in names})
+
+
+def fill_defaults(args, values):
+    """`args` with each option left at None set from `values` (PRESETS, the policy's defaults)."""
+    return dataclasses.replace(args, **{k: v for k, v in values.items()
+                                        if getattr(args, k) is None})
 
 
 def save_checkpoint(run_dir: Path, it, model, optimizers, rng, evals, extra=None):
@@ -1095,6 +1072,7 @@ def main(args: Args):
         row, records = evaluate(model, tok, new_env, test_tasks, args)
         row["perf/eval_seconds"] = time.time() - t0
         logger.log_samples(it, records)
+        tqdm.write(eval_line(it, row))
         return row
 
     start = 0
@@ -1104,7 +1082,6 @@ def main(args: Args):
     else:
         first_eval = last_eval = run_eval(0)
         logger.log(0, first_eval)
-        print("eval before training: " + eval_line(first_eval))
 
     bar = tqdm(range(start + 1, args.num_iterations + 1), desc=f"graphgpo[{args.step_advantage}]",
                dynamic_ncols=True)

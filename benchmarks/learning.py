@@ -43,6 +43,7 @@ import importlib.metadata
 import importlib.util
 import io
 import json
+import math
 import os
 import platform
 import re
@@ -56,6 +57,9 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+
+import numpy as np
+import scipy.stats
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = ("graphgpo", "istar", "delta_belief", "aria", "epo")
@@ -297,6 +301,48 @@ def window_means(rows: list[dict], prefix: str, frac: float = 0.25) -> dict:
     return {"iterations": k, "first": numeric_means(logged[:k], prefix), "last": numeric_means(logged[-k:], prefix)}
 
 
+def mean_se(values) -> tuple[float, float]:
+    """Mean and standard error (sample std / sqrt(n); 0 for fewer than two values) of per-episode values."""
+    x = np.asarray(values, dtype=np.float64)
+    if x.size < 2:
+        return (float(x.mean()) if x.size else 0.0), 0.0
+    return float(x.mean()), float(scipy.stats.sem(x))
+
+
+def learning_summary(first: dict, last: dict, metric: str) -> dict:
+    """A run's main evaluation metric before and after training, the change and its standard error; `rose` /
+    `fell`: the change is above +2 SE / below -2 SE. When both evaluations hold the metric per episode
+    (`<metric>_episodes`: the same episodes, played with common random numbers) the SE is that of the
+    per-episode differences (`paired`); otherwise the two evaluations' SEs in quadrature, which is also kept
+    as `change_se_quadrature` (the SE two independent evaluations would give)."""
+    before, after = float(first[metric]), float(last[metric])
+    se0, se1 = float(first.get(metric + "_se", 0.0)), float(last.get(metric + "_se", 0.0))
+    change, quadrature = after - before, math.sqrt(se0 ** 2 + se1 ** 2)
+    a, b = first.get(metric + "_episodes"), last.get(metric + "_episodes")
+    paired = a is not None and b is not None and len(a) == len(b) > 1
+    se = mean_se(np.subtract(b, a))[1] if paired else quadrature
+    return {"metric": metric, "before": before, "before_se": se0, "after": after, "after_se": se1,
+            "change": change, "change_se": se, "change_se_quadrature": quadrature, "paired": paired,
+            "rose": bool(change > 2.0 * se), "fell": bool(change < -2.0 * se)}
+
+
+def run_learning(run_dir: Path) -> dict:
+    """The learning block of a finished run: its summary.json's first and last evaluation of its main metric
+    (older summaries carry the block themselves)."""
+    summary = json.loads((Path(run_dir) / "summary.json").read_text())
+    if "learning" in summary:
+        return summary["learning"]
+    return learning_summary(summary["first_eval"], summary["last_eval"], summary["metric"])
+
+
+def learning_warning(s: dict) -> str | None:
+    """The line a result that made the policy worse prints (a fall of more than two standard errors)."""
+    if not s["fell"]:
+        return None
+    return (f"WARNING: {s['metric']} fell by more than two standard errors ({s['change']:+.3f} ± "
+            f"{s['change_se']:.3f}): this run made the policy worse")
+
+
 def greedy_block(first: dict, last: dict, metric: str):
     """The greedy counterpart of the main metric (`<metric>_greedy`, else `eval/success_greedy`) before
     and after, with its SE where the script logs one (None otherwise); None if the script logs none."""
@@ -312,7 +358,7 @@ def collect(run_dir: Path) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
     config = json.loads((run_dir / "config.json").read_text())
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    learning = summary["learning"]
+    learning = run_learning(run_dir)
     metric = learning["metric"]
     curve = [{"iteration": r["iteration"], "value": r[metric], "se": r.get(metric + "_se")}
              for r in rows if r.get(metric) is not None]
@@ -419,6 +465,8 @@ def main(argv: list[str]) -> int:
                 shutil.rmtree(run_root, ignore_errors=True)
             tqdm.write(f"{job.variant} seed {job.seed}: {rec['metric']} {rec['before']:.3f} -> {rec['after']:.3f} "
                        f"({rec['change']:+.3f} ± {rec['change_se']:.3f}), {wall:.0f} s")
+            if learning_warning(rec):
+                tqdm.write(f"{job.variant} seed {job.seed}: " + learning_warning(rec))
     except KeyboardInterrupt:  # the runs in flight got the same SIGINT; start no new ones
         pool.shutdown(wait=False, cancel_futures=True)
         print(f"\ninterrupted: {written} runs written to {out}; run the same command again to resume", file=sys.stderr)

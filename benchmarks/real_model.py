@@ -47,6 +47,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from learning import run_learning  # noqa: E402 - the learning block of a finished run
 
 RESULTS = REPO / "docs" / "results" / "real_model.jsonl"
 REPORT = REPO / "docs" / "real_model.md"
@@ -234,9 +237,8 @@ def timing(args):
                 raise SystemExit(f"{script} failed (exit {rc}):\n{tail}")
             rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
             it = [r for r in rows if "perf/update_seconds" in r][0]
-            summary = json.loads((run_dir / "summary.json").read_text())
             config = json.loads((run_dir / "config.json").read_text())
-            learning = summary["learning"]
+            learning = run_learning(run_dir)
             perf = {k: v for k, v in it.items() if k.startswith("perf/")}
             rec = {"kind": "timing", "model": MODEL, "script": script, "four_bit": four_bit,
                    "env_id": config["env_id"], "micro_batch_size": config.get("micro_batch_size"),
@@ -386,11 +388,11 @@ def sft_rl(args):
     rec = {"kind": "sft_rl", "model": MODEL, "script": "graphgpo.py", "env_id": SFT_ENV, **facts,
            "rl_args": extra, "rl_wall_seconds": round(time.time() - t0, 1),
            "rl_train_seconds": round(sum(r["perf/iteration_seconds"] for r in it), 1),
-           "rl_peak_rss_gb": round(usage.ru_maxrss / 2 ** 20, 2), "learning": summary["learning"],
+           "rl_peak_rss_gb": round(usage.ru_maxrss / 2 ** 20, 2), "learning": run_learning(run_dir),
            "first_eval": summary["first_eval"], "last_eval": summary["last_eval"], "threads": args.threads,
            "load_avg": max(load0, load_avg()), **signal}
     append(rec, args.results)
-    s = summary["learning"]
+    s = run_learning(run_dir)
     print(f"GraphGPO after SFT: {s['metric']} {s['before']:.3f} ± {s['before_se']:.3f} -> {s['after']:.3f} ± "
           f"{s['after_se']:.3f} ({s['change']:+.3f} ± {s['change_se']:.3f})", flush=True)
 

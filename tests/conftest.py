@@ -238,7 +238,7 @@ def assert_run_outputs(run_dir: Path) -> dict:
     assert read_metrics(run_dir), "metrics.jsonl is empty"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert (run_dir / "adapter").is_dir(), "adapter/ missing"
-    learning = summary.get("learning", {})  # the main metric before and after training, with its SE
+    learning = load_benchmark("learning").run_learning(run_dir)  # the main metric before and after, with its SE
     assert {"metric", "before", "before_se", "after", "after_se", "change", "change_se", "fell"} <= set(learning), learning
     assert abs(learning["change"] - (learning["after"] - learning["before"])) < 1e-9
     return summary

@@ -4,7 +4,6 @@ the three encoders (hash, frozen policy, an AutoModel checkpoint), and the scrip
 from __future__ import annotations
 
 import json
-import math
 import subprocess
 import sys
 
@@ -339,16 +338,12 @@ def test_end_to_end_bargaining_selfplay(runs):
     for key in ("eval/win_rate_Alice", "eval/win_rate_Bob", "eval/win_rate_Alice_vs_tough", "eval/success_greedy"):
         assert 0.0 <= ev[key] <= 1.0, key
     # the main metric pools the same number of games per role and style: the mean of the per-cell shares,
-    # sampled and greedy; summary.json holds the greedy share before and after beside the learning block
+    # sampled and greedy; the summary names the sampled share as the run's main metric
     for kind in ("", "_greedy"):
         cells = [ev[f"eval/payoff_share{kind}_{r}_vs_{s}"] for r in ("Alice", "Bob") for s in ("fair", "tough")]
         assert ev[f"eval/payoff_share{kind}"] == pytest.approx(np.mean(cells), abs=1e-12)
         assert all(0.0 <= c <= 1.0 for c in cells)
-    assert summary["learning"]["metric"] == "eval/payoff_share"
-    g = summary["greedy"]
-    assert g["metric"] == "eval/payoff_share_greedy"
-    assert (g["before"], g["after"]) == (summary["first_eval"]["eval/payoff_share_greedy"], ev["eval/payoff_share_greedy"])
-    assert g["change_se"] == pytest.approx(math.hypot(g["before_se"], g["after_se"]))
+    assert summary["metric"] == "eval/payoff_share"
     train = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines() if '"train"' in x]
     assert train and {t["player"] for g in train for t in g["turns"]} <= {"Alice", "Bob"}
 

@@ -417,3 +417,39 @@ def test_first_iteration_clock_stops_at_the_first_training_row(tmp_path):
     m.write_text(json.dumps({"iteration": 0, "eval/success": 0.3}) + "\n"
                  + json.dumps({"iteration": 1, "charts/success": 0.1}) + "\n")
     assert first_iteration.first_training_row(m) == {"iteration": 1, "charts/success": 0.1}
+
+
+def test_learning_summary_by_hand():
+    first = {"eval/success": 0.50, "eval/success_se": 0.03}
+    # change -0.12, SE sqrt(0.03^2 + 0.04^2) = 0.05: below -2 SE -> fell, and the warning says so
+    s = learning.learning_summary(first, {"eval/success": 0.38, "eval/success_se": 0.04}, "eval/success")
+    assert abs(s["change"] + 0.12) < 1e-12 and abs(s["change_se"] - 0.05) < 1e-12 and s["fell"] and not s["rose"]
+    assert learning.learning_warning(s).startswith("WARNING: eval/success fell by more than two standard errors")
+    # change -0.08 with the same SE: within noise, no warning
+    s = learning.learning_summary(first, {"eval/success": 0.42, "eval/success_se": 0.04}, "eval/success")
+    assert not s["fell"] and not s["rose"] and learning.learning_warning(s) is None
+    # change +0.11 with the same SE: above +2 SE (0.10) -> rose; +0.09 is not
+    assert learning.learning_summary(first, {"eval/success": 0.61, "eval/success_se": 0.04}, "eval/success")["rose"]
+    assert not learning.learning_summary(first, {"eval/success": 0.59, "eval/success_se": 0.04}, "eval/success")["rose"]
+
+
+def test_learning_summary_pairs_the_episodes_by_hand(tmp_path):
+    # the same 10 episodes before and after: 4 of 10 won before, 8 after; the differences are
+    # [1, 1, 1, 1, 0, 0, 0, 0, 0, 0]: mean 0.4, sample std sqrt((4 * 0.6^2 + 6 * 0.4^2) / 9) = 0.516398,
+    # SE 0.516398 / sqrt(10) = 0.163299, so +0.4 is above 2 SE (0.326599): rose
+    before = [0, 0, 0, 0, 0, 0, 1, 1, 1, 1]
+    after = [1, 1, 1, 1, 0, 0, 1, 1, 1, 1]
+    first = {"eval/success": 0.4, "eval/success_se": 0.163299, "eval/success_episodes": before}
+    last = {"eval/success": 0.8, "eval/success_se": 0.133333, "eval/success_episodes": after}
+    s = learning.learning_summary(first, last, "eval/success")
+    assert s["paired"] and abs(s["change"] - 0.4) < 1e-12 and abs(s["change_se"] - 0.163299) < 1e-6 and s["rose"]
+    # two independent evaluations would give SEs 0.163299 (p 0.4) and 0.133333 (p 0.8), in quadrature
+    # sqrt(0.163299^2 + 0.133333^2) = 0.210819: +0.4 is not above 2 SE
+    assert abs(s["change_se_quadrature"] - 0.210819) < 1e-6
+    # episodes that cannot be paired (a different count) fall back to the quadrature
+    s = learning.learning_summary(first, {**last, "eval/success_episodes": after[:9]}, "eval/success")
+    assert not s["paired"] and s["change_se"] == s["change_se_quadrature"] and not s["rose"]
+    # a run directory's summary.json: the block of its main metric
+    (tmp_path / "summary.json").write_text(json.dumps({"metric": "eval/success", "first_eval": first,
+                                                       "last_eval": last}))
+    assert learning.run_learning(tmp_path) == learning.learning_summary(first, last, "eval/success")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, _script_env, adapter_tensors, read_metrics
+from conftest import REPO, _script_env, adapter_tensors, load_benchmark, read_metrics
 
 # Per script: a micro run of 4 iterations with a checkpoint after each.
 COMMON = ["--model-name", "tiny", "--tiny-preset", "micro", "--torch-threads", "1", "--num-iterations", "4",
@@ -71,8 +71,8 @@ def test_killed_run_resumes_to_the_same_metrics(script, tiny_cache, method_pool,
     assert _deterministic(read_metrics(run_dir)) == _deterministic(read_metrics(reference))
     a, b = adapter_tensors(run_dir), adapter_tensors(reference)
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
-    assert json.loads((run_dir / "summary.json").read_text())["learning"] == \
-        json.loads((reference / "summary.json").read_text())["learning"]
+    learning = load_benchmark("learning").run_learning
+    assert learning(run_dir) == learning(reference)
     if other is not None:  # the equality above is not vacuous
         assert _deterministic(read_metrics(other.result())) != _deterministic(read_metrics(reference))
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import json
 
 import pytest
 import torch
@@ -14,8 +15,8 @@ from conftest import REPO
 
 METHODS = ["graphgpo.py", "istar.py", "delta_belief.py", "aria.py", "epo.py"]
 SHARED = ["Sample", "render_prompt", "encode", "completion_text", "CommonNoise", "generate", "completion_logprobs",
-          "mean_se", "learning_summary", "print_learning", "Logger", "start_run", "eval_line",
-          "write_summary", "seed_everything", "resumed_args", "save_checkpoint", "load_checkpoint"]
+          "mean_se", "Logger", "start_run", "eval_line", "write_summary", "seed_everything", "fill_defaults",
+          "resumed_args", "save_checkpoint", "load_checkpoint"]
 SHARED_WHERE_DEFINED = ["save_adapter", "_padded"]
 
 
@@ -42,47 +43,39 @@ def test_block_is_the_same_text_in_every_method_file(block):
     assert not drifted, f"{block} differs from graphgpo.py's in {drifted}"
 
 
-def test_mean_se_and_learning_summary_by_hand(capsys):
+def test_mean_se_eval_line_and_fill_defaults_by_hand():
     import graphgpo as g
 
     # 4 successes of 10: p 0.4, sample std sqrt(0.4 * 0.6 * 10 / 9) = 0.516398, SE 0.163299
     m, se = g.mean_se([1, 1, 1, 1, 0, 0, 0, 0, 0, 0])
     assert m == 0.4 and abs(se - 0.163299) < 1e-6
     assert g.mean_se([]) == (0.0, 0.0) and g.mean_se([1]) == (1.0, 0.0)
-    first = {"eval/success": 0.50, "eval/success_se": 0.03}
-    # change -0.12, SE sqrt(0.03^2 + 0.04^2) = 0.05: below -2 SE -> fell, and the warning is printed
-    s = g.learning_summary(first, {"eval/success": 0.38, "eval/success_se": 0.04}, "eval/success")
-    assert abs(s["change"] + 0.12) < 1e-12 and abs(s["change_se"] - 0.05) < 1e-12 and s["fell"] and not s["rose"]
-    g.print_learning(s)
-    assert "WARNING: eval/success fell by more than two standard errors" in capsys.readouterr().out
-    # change -0.08 with the same SE: within noise, no warning
-    s = g.learning_summary(first, {"eval/success": 0.42, "eval/success_se": 0.04}, "eval/success")
-    assert not s["fell"] and not s["rose"]
-    # change +0.11 with the same SE: above +2 SE (0.10) -> rose; +0.09 is not
-    assert g.learning_summary(first, {"eval/success": 0.61, "eval/success_se": 0.04}, "eval/success")["rose"]
-    assert not g.learning_summary(first, {"eval/success": 0.59, "eval/success_se": 0.04}, "eval/success")["rose"]
-    g.print_learning(s)
-    assert "WARNING" not in capsys.readouterr().out
+    # one short line: the metrics with a standard error, not the per-opponent cells nor the episode lists
+    ev = {"eval/success": 0.25, "eval/success_se": 0.05, "eval/return": 1.5, "eval/win_rate_Bob_vs_fair": 0.5,
+          "eval/win_rate_Bob_vs_fair_se": 0.1, "eval/success_episodes": [0.0, 1.0]}
+    assert g.eval_line(3, ev) == "eval @ iteration 3: success 0.250 ± 0.050"
+    args = g.Args(omega=0.3)  # given: kept; left at None: filled; a value that is not None is never replaced
+    filled = g.fill_defaults(args, {"omega": 0.8, "learning_rate": 1e-4, "max_new_tokens": 7, "group_size": 3})
+    assert (filled.omega, filled.learning_rate, filled.max_new_tokens, filled.group_size) == (0.3, 1e-4, 7, 8)
 
 
-def test_learning_summary_pairs_the_episodes_by_hand():
+def test_write_summary_pairs_the_episodes_by_hand(tmp_path, capsys):
     import graphgpo as g
 
     # the same 10 episodes before and after: 4 of 10 won before, 8 after; the differences are
-    # [1, 1, 1, 1, 0, 0, 0, 0, 0, 0]: mean 0.4, sample std sqrt((4 * 0.6^2 + 6 * 0.4^2) / 9) = 0.516398,
-    # SE 0.516398 / sqrt(10) = 0.163299, so +0.4 is above 2 SE (0.326599): rose
+    # [1, 1, 1, 1, 0, 0, 0, 0, 0, 0]: mean 0.4, SE 0.163299 (as above)
     before = [0, 0, 0, 0, 0, 0, 1, 1, 1, 1]
     after = [1, 1, 1, 1, 0, 0, 1, 1, 1, 1]
     first = {"eval/success": 0.4, "eval/success_se": g.mean_se(before)[1], "eval/success_episodes": before}
     last = {"eval/success": 0.8, "eval/success_se": g.mean_se(after)[1], "eval/success_episodes": after}
-    s = g.learning_summary(first, last, "eval/success")
-    assert s["paired"] and abs(s["change"] - 0.4) < 1e-12 and abs(s["change_se"] - 0.163299) < 1e-6 and s["rose"]
-    # two independent evaluations would give SEs 0.163299 (p 0.4) and sqrt(0.8 * 0.2 * 10 / 9) / sqrt(10)
-    # = 0.133333 (p 0.8), in quadrature sqrt(0.163299^2 + 0.133333^2) = 0.210819: +0.4 is not above 2 SE
-    assert abs(s["change_se_quadrature"] - 0.210819) < 1e-6
-    # episodes that cannot be paired (a different count) fall back to the quadrature
-    s = g.learning_summary(first, {**last, "eval/success_episodes": after[:9]}, "eval/success")
-    assert not s["paired"] and s["change_se"] == s["change_se_quadrature"] and not s["rose"]
+    summary = g.write_summary(tmp_path, g.Args(num_iterations=5), 90.0, first, last, "eval/success", extra=1)
+    out = capsys.readouterr().out
+    assert "eval/success: 0.400 ± 0.163 before -> 0.800 ± 0.133 after (+0.400 ± 0.163, paired)" in out
+    assert json.loads((tmp_path / "summary.json").read_text()) == summary
+    assert (summary["metric"], summary["iterations"], summary["extra"]) == ("eval/success", 5, 1)
+    # episodes that cannot be paired: the two SEs in quadrature, sqrt(0.163299^2 + 0.133333^2) = 0.210819
+    g.write_summary(tmp_path, g.Args(), 90.0, first, {**last, "eval/success_episodes": after[:9]}, "eval/success")
+    assert "(+0.400 ± 0.211)" in capsys.readouterr().out
 
 
 def test_common_noise_samples_softmax_at_the_temperature():
