@@ -66,3 +66,87 @@ def test_lines_are_at_most_100_characters(name):
     """docs/design.md, "Anatomy of a method file": a reader sees every line without scrolling."""
     long = [i + 1 for i, line in enumerate((REPO / name).read_text().splitlines()) if len(line) > 100]
     assert not long, f"{name}: lines over 100 characters: {long}"
+
+
+# Every flag of every script (its Args fields): a restructure may move code, never drop an option a user
+# or a benchmark passes.
+FLAGS = {
+    "graphgpo.py": [
+        "exp_name", "seed", "output_dir", "track", "save_model", "checkpoint_every", "resume", "torch_threads",
+        "model_name", "tiny_preset", "load_in_4bit", "lora_r", "lora_alpha", "lora_dropout",
+        "activation_checkpointing", "max_new_tokens", "temperature", "eval_temperature", "env_id", "history",
+        "max_turns", "eval_num_tasks", "eval_k", "eval_every", "num_logged_episodes", "num_iterations",
+        "tasks_per_iteration", "group_size", "learning_rate", "weight_decay", "max_grad_norm",
+        "num_minibatches", "micro_batch_size", "step_advantage", "state_match", "similarity_threshold", "omega",
+        "r_succ", "gamma", "invalid_penalty", "step_cost", "beta_graph", "beta_episode", "clip_eps",
+        "dual_clip", "kl_coef", "adv_eps"],
+    "istar.py": [
+        "exp_name", "seed", "output_dir", "track", "save_model", "checkpoint_every", "resume", "torch_threads",
+        "model_name", "tiny_preset", "load_in_4bit", "lora_r", "lora_alpha", "lora_dropout",
+        "activation_checkpointing", "max_new_tokens", "temperature", "eval_temperature", "env_id", "history",
+        "max_turns", "sokoban_reward", "opponent", "eval_num_tasks", "eval_every", "num_logged_episodes",
+        "num_iterations", "tasks_per_iteration", "group_size", "learning_rate", "prm_learning_rate",
+        "weight_decay", "max_grad_norm", "prm_max_grad_norm", "num_minibatches", "micro_batch_size", "beta",
+        "alpha", "estimator", "step_reward_granularity", "step_reward_norm", "dpo_reduce",
+        "prm_updates_per_iteration", "prm_replay", "positive_threshold", "invalid_penalty", "clip_eps",
+        "dual_clip", "ratio_level", "adv_eps"],
+    "delta_belief.py": [
+        "exp_name", "seed", "output_dir", "track", "save_model", "checkpoint_every", "resume", "torch_threads",
+        "model_name", "tiny_preset", "load_in_4bit", "lora_r", "lora_alpha", "lora_dropout",
+        "activation_checkpointing", "max_new_tokens", "temperature", "eval_temperature", "env_id", "history",
+        "max_turns", "eval_env_id", "eval_max_turns", "eval_num_tasks", "eval_k", "eval_every",
+        "eval_best_of_n", "num_logged_episodes", "reward_mode", "num_iterations", "tasks_per_iteration",
+        "group_size", "learning_rate", "adam_betas", "weight_decay", "max_grad_norm", "num_minibatches",
+        "micro_batch_size", "lam", "win_reward", "turn_penalty", "invalid_penalty", "repeat_penalty",
+        "belief_template", "clip_low", "clip_high", "dual_clip", "loss_agg", "adv_eps"],
+    "aria.py": [
+        "exp_name", "seed", "output_dir", "track", "save_model", "checkpoint_every", "resume", "torch_threads",
+        "model_name", "tiny_preset", "load_in_4bit", "lora_r", "lora_alpha", "lora_dropout",
+        "activation_checkpointing", "max_new_tokens", "temperature", "eval_temperature", "env_id", "history",
+        "max_turns", "game_reward", "eval_num_tasks", "eval_k", "eval_opponents", "eval_every",
+        "num_logged_episodes", "aggregate", "num_iterations", "games_per_iteration", "num_epochs", "batch_size",
+        "micro_batch_size", "learning_rate", "max_grad_norm", "gamma", "embedder", "embed_dim", "linkage",
+        "max_k", "split_eps", "split_tau", "fixed_k", "observation_labels"],
+    "epo.py": [
+        "exp_name", "seed", "output_dir", "track", "save_model", "checkpoint_every", "resume", "torch_threads",
+        "model_name", "tiny_preset", "load_in_4bit", "lora_r", "lora_alpha", "lora_dropout",
+        "activation_checkpointing", "max_new_tokens", "temperature", "eval_temperature", "env_id", "history",
+        "agent", "agent_temperature", "agent_max_new_tokens", "train_opponent", "eval_num_tasks",
+        "eval_opponents", "eval_every", "eval_selfplay", "num_logged_episodes", "num_iterations",
+        "episodes_per_iteration", "num_epochs", "trajectories_per_step", "micro_batch_size", "learning_rate",
+        "warmup_ratio", "weight_decay", "max_grad_norm", "gamma", "prm", "prm_top_k", "prm_min_gain",
+        "prm_min_final", "prm_temperature", "prm_max_new_tokens", "weights", "return_norm"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(FLAGS))
+def test_every_flag_is_kept(name):
+    import dataclasses
+    import importlib
+
+    fields = {f.name for f in dataclasses.fields(importlib.import_module(name[:-3]).Args)}
+    missing = [f for f in FLAGS[name] if f not in fields]
+    assert not missing, f"{name}: flags gone: {missing}"
+
+
+def _section_lengths(name):
+    """Lines per section (0: the header before section 1) and of `main`."""
+    lines = (REPO / name).read_text().splitlines()
+    sizes, section = [0] * 7, 0
+    for i, line in enumerate(lines):
+        m = re.fullmatch(r"# (\d)\. .+", line)
+        if m and 0 < i < len(lines) - 1 and lines[i - 1] == RULE:
+            section = int(m.group(1))
+        sizes[section] += 1
+    start = next(i for i, line in enumerate(lines) if line.startswith("def main("))
+    end = next(i for i, line in enumerate(lines) if line.startswith("if __name__"))
+    return len(lines), sizes, end - start
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_a_method_file_reads_like_a_reference(name):
+    """docs/design.md, "Anatomy of a method file": at most 800 lines, section 5 (evaluation, logging,
+    checkpoints) at most 90, `main` at most 100; measurement lives in benchmarks/."""
+    total, sizes, main = _section_lengths(name)
+    assert total <= 800 and sizes[5] <= 90 and main <= 100, (
+        f"{name}: {total} lines, section 5 {sizes[5]}, main {main} (at most 800, 90, 100)")
