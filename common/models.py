@@ -45,6 +45,7 @@ and old/reference log-probs, `model.train()` for training forwards.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
@@ -649,11 +650,44 @@ def load_policy(model_name_or_path: str, env_id: Optional[str] = None, tiny_pres
         UserError: the model cannot be found/downloaded, an unknown tiny env, 4-bit without a working
             bitsandbytes backend, a bad LoRA setting. One line that says what to do.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from peft import get_peft_model
-
     dev = _resolve_device(device)
     use_4bit = (dev.type == "cuda") if load_in_4bit is None else bool(load_in_4bit)
+    with _without_bitsandbytes(not use_4bit):
+        return _load_policy(model_name_or_path, env_id, tiny_preset, use_4bit, lora_r, lora_alpha,
+                            lora_dropout, target_modules, activation_checkpointing, adapter_name, dev,
+                            tiny_overrides)
+
+
+@contextlib.contextmanager
+def _without_bitsandbytes(hide: bool):
+    """peft imports bitsandbytes whenever it is installed (2-3 s at every start on these CPUs) and uses it
+    only for 4-bit or 8-bit layers: while a model without them is loaded and wrapped, it is hidden (peft's
+    cached answers to "is bitsandbytes available" are cleared on the way in and out, so a 4-bit load later in
+    the same process finds it). A process that has imported it already keeps it."""
+    if not hide or "bitsandbytes" in sys.modules:
+        yield
+        return
+    sys.modules["bitsandbytes"] = None  # an import of it raises ImportError; find_spec returns None
+    _clear_peft_bnb_cache()
+    try:
+        yield
+    finally:
+        del sys.modules["bitsandbytes"]
+        _clear_peft_bnb_cache()
+
+
+def _clear_peft_bnb_cache() -> None:
+    if "peft.import_utils" in sys.modules:
+        for name in ("is_bnb_available", "is_bnb_4bit_available"):
+            getattr(sys.modules["peft.import_utils"], name).cache_clear()
+
+
+def _load_policy(model_name_or_path, env_id, tiny_preset, use_4bit, lora_r, lora_alpha, lora_dropout,
+                 target_modules, activation_checkpointing, adapter_name, dev, tiny_overrides):
+    """`load_policy` after the device and the 4-bit choice are made."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     lora_config = _lora_config(lora_r, lora_alpha, lora_dropout, target_modules)
     if use_4bit:
         _check_bitsandbytes(dev)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import REPO
 from common.models import UserError, add_adapter, disable_cpu_weight_repacking, lora_state, load_policy
 
 bnb = pytest.importorskip("bitsandbytes")
@@ -318,6 +319,28 @@ def test_tiny_needs_a_known_env():
     with pytest.raises(UserError) as e:
         load_policy("tiny", env_id="sokoban", tiny_preset="huge")
     assert "micro" in _one_line(e)
+
+
+def test_plain_weights_never_import_bitsandbytes_and_4bit_still_works_after(random_llama_dir):
+    """A model without 4-bit weights is loaded with bitsandbytes hidden from peft (its import costs seconds
+    at every start); a 4-bit load later in the same process still gets LoRA over Linear4bit layers."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys
+from common.models import load_policy
+model, _ = load_policy({str(random_llama_dir)!r}, load_in_4bit=False, lora_r=4, lora_alpha=8, device="cpu")
+print("plain", "bitsandbytes" in sys.modules, type(model).__name__)
+model, _ = load_policy({str(random_llama_dir)!r}, load_in_4bit=True, lora_r=4, lora_alpha=8, device="cpu")
+import bitsandbytes as bnb
+q = model.base_model.model.model.layers[0].self_attn.q_proj
+print("4bit", type(q).__module__, isinstance(q.base_layer, bnb.nn.Linear4bit))
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [line for line in out.stdout.splitlines() if line.startswith(("plain", "4bit"))]
+    assert lines == ["plain False PeftModelForCausalLM", "4bit peft.tuners.lora.bnb True"], out.stdout
 
 
 def test_4bit_without_a_bitsandbytes_backend_is_one_line(random_llama_dir, monkeypatch):
