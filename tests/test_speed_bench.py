@@ -1,0 +1,57 @@
+"""benchmarks/speed.py: the seconds per phase of a run and the before/after table, against numbers by hand."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import load_benchmark
+
+
+def _run_dir(tmp_path, rows):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run
+
+
+def test_phases_split_the_wall_time_by_hand(tmp_path):
+    speed = load_benchmark("speed")
+    rows = [{"iteration": 0, "eval/success": 0.1, "perf/eval_seconds": 4.0},
+            {"iteration": 1, "charts/success": 0.2, "perf/rollout_seconds": 2.0, "perf/credit_seconds": 0.5,
+             "perf/update_seconds": 3.0, "perf/iteration_seconds": 6.0},
+            {"iteration": 2, "charts/success": 0.3, "perf/rollout_seconds": 1.0, "perf/credit_seconds": 0.5,
+             "perf/update_seconds": 2.0, "perf/iteration_seconds": 4.0, "eval/success": 0.2,
+             "perf/eval_seconds": 5.0}]
+    run = _run_dir(tmp_path, rows)
+    # wall 30: evaluations 4 + 5 = 9, iterations 6 + 4 = 10, so start-up and the rest 30 - 19 = 11
+    p = speed.phases(run, 30.0)
+    assert p == {"startup": 11.0, "eval": 9.0, "rollout": 3.0, "credit": 1.0, "update": 5.0, "wall": 30.0,
+                 "iterations": 2}
+    # the training metrics drop every clock key and keep the rest, row by row
+    assert speed.training_metrics(run) == [{"iteration": 0, "eval/success": 0.1},
+                                           {"iteration": 1, "charts/success": 0.2},
+                                           {"iteration": 2, "charts/success": 0.3, "eval/success": 0.2}]
+
+
+def test_report_takes_medians_and_ratios_by_hand(tmp_path):
+    speed = load_benchmark("speed")
+    machine = {"cpu_model": "cpu", "cpu_count": 2}
+
+    def line(arm, rep, wall, update, same=True):
+        seconds = {"startup": 5.0, "eval": 10.0, "rollout": 4.0, "credit": 1.0, "update": update, "wall": wall}
+        return {"label": "a -> b", "script": "graphgpo", "arm": arm, "repeat": rep, "full": False,
+                "seconds": seconds, "same_metrics": same, "machine": machine}
+
+    lines = [line("before", 0, 40.0, 20.0), line("after", 0, 30.0, 10.0),
+             line("before", 1, 44.0, 22.0), line("after", 1, 28.0, 12.0),
+             line("before", 2, 42.0, 30.0), line("after", 2, 29.0, 11.0)]
+    out = tmp_path / "speed.jsonl"
+    out.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    text = speed.report(out, tmp_path / "speed.md")
+    # medians: wall 42 before, 29 after (ratio 0.69); update 22 before, 11 after (0.50)
+    assert "| graphgpo | wall | 42.0 | 29.0 | 0.69 | 3 | yes |" in text
+    assert "| graphgpo | update | 22.0 | 11.0 | 0.50 | 3 | yes |" in text
+    assert "| graphgpo | eval | 10.0 | 10.0 | 1.00 | 3 | yes |" in text
+    lines[3]["same_metrics"] = False  # one repeat whose arms differ: not the same computation
+    out.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert "| graphgpo | wall | 42.0 | 29.0 | 0.69 | 3 | no |" in speed.report(out, tmp_path / "speed.md")
