@@ -222,6 +222,7 @@ def load_benchmark(name: str):
 
     spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "benchmarks" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # a @dataclass of the module looks its module up while it is made
     spec.loader.exec_module(mod)
     return mod
 
