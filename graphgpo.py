@@ -27,6 +27,10 @@ Equations -> functions (section 2; the kernel `graphgpo_advantages` takes plain 
 Deviations from the paper and from the official code: docs/graphgpo.md, "Deviations". How to use
 the kernel in verl or TRL: docs/porting.md.
 
+`python graphgpo.py` trains a LoRA adapter of the tiny Sokoban policy on a CPU, 40 iterations of 4
+tasks x 8 trajectories; the paper trains a whole LLM for 150 epochs of 16 tasks (Sokoban: 32) x 8.
+Reading order: section 2, then `main` (section 6), then `rollout`, `compute_advantages`, `update`.
+
 Example
     python graphgpo.py                                   # tiny Sokoban policy, CPU, GraphGPO
     python graphgpo.py --step-advantage gigpo --seed 2   # GiGPO baseline, same budget
@@ -82,8 +86,7 @@ class Args:
 
     # model
     model_name: str = "tiny"
-    """'tiny' (the env's tiny local policy), 'smollm2-135m' (SmolLM2-135M-Instruct), a hub id or a
-    local directory"""
+    """'tiny' (the env's tiny policy), 'smollm2-135m' (SmolLM2-135M-Instruct), a hub id or a dir"""
     tiny_preset: str = "default"
     """tiny policy size preset: 'default' or 'micro' (builds in seconds, for tests)"""
     load_in_4bit: Optional[bool] = None
@@ -107,8 +110,7 @@ class Args:
     env_id: str = "sokoban"
     """training env (needs env.state_key(): sokoban, alfworld, webshop, ...)"""
     history: Optional[int] = None
-    """past (action, observation) pairs in the prompt; None: the tiny recipe's (Sokoban 0) or the
-    env's (paper 2)"""
+    """past (action, observation) pairs in the prompt; None: the tiny recipe's or the env's (2)"""
     max_turns: int = 0
     """most steps per episode (0: the env's default; paper: 15 Sokoban/WebShop, 50 ALFWorld)"""
     eval_num_tasks: int = 200
@@ -136,8 +138,7 @@ class Args:
     num_minibatches: int = 2
     """optimizer steps per iteration (the turns are split into this many minibatches)"""
     micro_batch_size: Optional[int] = None
-    """turns per forward pass (gradient accumulation inside a minibatch); None: by model (PRESETS:
-    8 on a real model, whose long prompts make a forward of 64 turns need over 16 GB on a CPU)"""
+    """turns per forward pass (gradient accumulation in a minibatch); None: by model (PRESETS)"""
     step_advantage: Literal["graph", "gigpo", "none"] = "graph"
     """step-level term: 'graph' (GraphGPO), 'gigpo' (GiGPO discounted return), 'none' (GRPO)"""
     state_match: Literal["exact", "fuzzy"] = "exact"
@@ -153,8 +154,7 @@ class Args:
     invalid_penalty: float = 0.1
     """subtracted from the step reward of an invalid action before normalisation (paper: 0.1)"""
     step_cost: float = 1.0
-    """unit cost c in Eq. 4, R = r_succ ω^(d(s') + c) (paper: 1; official code: 0,
-    docs/graphgpo.md "Deviations")"""
+    """unit cost c in Eq. 4, R = r_succ ω^(d(s') + c) (paper: 1; official code: 0)"""
     beta_graph: float = 1.0
     """β_G, weight of the step-level advantage (paper: 1)"""
     beta_episode: float = 1.0
@@ -170,8 +170,9 @@ class Args:
 
 
 # The options left at None depend on the model; `resolve_args` fills them, in this one place.
-# "real": any pretrained model (the paper's budget; lr for LoRA). "tiny": the tiny policy's recipe
-# supplies its prompt options and token budget (common.models.policy_defaults), lr as measured.
+# "real": any pretrained model (the paper's budget; lr for LoRA; 8 turns a forward, as long prompts
+# need over 16 GB for 64 on a CPU). "tiny": the tiny policy's recipe supplies its prompt options and
+# token budget (common.models.policy_defaults), lr as measured.
 PRESETS = {"real": dict(learning_rate=1e-5, max_new_tokens=512, micro_batch_size=8),
            "tiny": dict(learning_rate=5e-4, micro_batch_size=64)}
 OMEGA_BY_ENV = {"sokoban": 0.8, "alfworld": 0.1, "webshop": 0.2}  # paper, App. C; other envs 0.5
@@ -546,10 +547,8 @@ def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False, 
 
 def rollout(model, tok, new_env, task_ids, group_ids, temperature, max_new_tokens, greedy=False,
             noise_keys=None):
-    """Play one episode per task id, all envs stepped together: one batched generate per turn.
-    Records every turn's prompt and completion ids, s_1 = state_key() after reset and s_{t+1}
-    after every step. `noise_keys` (evaluation): one key per episode; turn t samples with the common
-    random numbers of (*key, t) (`CommonNoise`)."""
+    """One episode per task id, all envs stepped together: one batched generate per turn. With
+    `noise_keys` (evaluation: a key per episode) turn t samples with `CommonNoise` of (*key, t)."""
     envs_, episodes = [], []
     for i, (task, g) in enumerate(zip(task_ids, group_ids)):
         env = new_env()
@@ -558,10 +557,7 @@ def rollout(model, tok, new_env, task_ids, group_ids, temperature, max_new_token
         episodes.append(Episode(traj_id=i, group_id=int(g), task_id=str(task),
                                 states=[env.state_key()]))
     model.eval()
-    while True:
-        active = [i for i, e in enumerate(envs_) if not e.done]
-        if not active:
-            break
+    while active := [i for i, e in enumerate(envs_) if not e.done]:
         prompts = [encode(tok, render_prompt(tok, envs_[i].messages())) for i in active]
         keys = (None if noise_keys is None
                 else [(*noise_keys[i], episodes[i].length) for i in active])
@@ -583,12 +579,9 @@ def rollout(model, tok, new_env, task_ids, group_ids, temperature, max_new_token
 
 
 def compute_advantages(episodes, args, signal=None):
-    """Episodes in, one Sample per turn out with its advantage, and the credit statistics that are
-    logged. `signal`: the model-derived credit signal where a method has one (GraphGPO: none).
-
-    The kernel sees plain per-turn arrays; the graph statistics are logged per group."""
+    """Episodes in, one Sample per turn out with its advantage (Eq. 8), and the logged credit
+    statistics. `signal`: a method's model-derived credit signal (GraphGPO has none)."""
     turns = [(ep, t) for ep in episodes for t in range(ep.length)]
-    start = time.perf_counter()
     adv = graphgpo_advantages(
         group=[ep.group_id for ep, _ in turns], traj=[ep.traj_id for ep, _ in turns],
         state=[ep.states[t] for ep, t in turns], next_state=[ep.states[t + 1] for ep, t in turns],
@@ -597,38 +590,11 @@ def compute_advantages(episodes, args, signal=None):
         invalid_penalty=args.invalid_penalty, step_cost=args.step_cost, beta_graph=args.beta_graph,
         beta_episode=args.beta_episode, eps=args.adv_eps,
         fuzzy_threshold=args.similarity_threshold if args.state_match == "fuzzy" else None)
-    seconds = time.perf_counter() - start
     samples = [Sample(ep.prompts[t], ep.completions[t], ep.group_id, ep.traj_id, t, float(a))
                for (ep, t), a in zip(turns, adv)]
-    by_group = defaultdict(list)
-    for ep in episodes:
-        by_group[ep.group_id].append(ep)
-    graphs = []
-    for group in by_group.values():
-        states = [ep.states for ep in group]
-        node_of = None
-        if args.state_match == "fuzzy":
-            keys = dict.fromkeys(s for ep in group for s in ep.states)
-            node_of = fuzzy_node_map(keys, args.similarity_threshold)
-        graphs.append(graph_stats(states, [ep.success for ep in group], args.omega, args.r_succ,
-                                  [ep.invalid for ep in group], args.invalid_penalty, node_of,
-                                  args.step_cost))
-
-    def mean(key):
-        return float(np.mean([g[key] for g in graphs]))
-
-    a = np.asarray(adv) if len(adv) else np.zeros(1)
-    return samples, {
-        "credit/graph_nodes": mean("nodes"), "credit/graph_edges": mean("edges"),
-        "credit/mean_distance": mean("mean_distance"),
-        "credit/graph_step_reward_mean": mean("step_reward_mean"),
-        "credit/singleton_frac": sum(g["singleton_steps"] for g in graphs) / max(
-            sum(g["steps"] for g in graphs), 1),
-        "credit/group_success_frac": float(np.mean([any(ep.success for ep in g)
-                                                    for g in by_group.values()])),
-        "credit/adv_abs_mean": float(np.abs(a).mean()),
-        "credit/adv_nonzero_frac": float((np.abs(a) > 1e-8).mean()),
-        "credit/graph_seconds": seconds}
+    a = np.abs(adv) if len(adv) else np.zeros(1)
+    return samples, {"credit/adv_abs_mean": float(a.mean()),
+                     "credit/adv_nonzero_frac": float((a > 1e-8).mean())}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -713,12 +679,10 @@ def update(model, tok, optimizer, samples, args, rng):
     each. π_θold's and the reference policy's token log-probs are taken here, before any step."""
     device = next(model.parameters()).device
     old = token_logprobs(model, tok, samples, "default", args.micro_batch_size, args.temperature)
-    for x, o in zip(samples, old):
-        x.old = o
-    if args.kl_coef:
-        ref = token_logprobs(model, tok, samples, None, args.micro_batch_size, args.temperature)
-        for x, r in zip(samples, ref):
-            x.ref = r
+    ref = (token_logprobs(model, tok, samples, None, args.micro_batch_size, args.temperature)
+           if args.kl_coef else [None] * len(samples))
+    for x, o, r in zip(samples, old, ref):
+        x.old, x.ref = o, r
     model.train()
     params = [p for group in optimizer.param_groups for p in group["params"]]
     stats = {k: [] for k in ("policy_loss", "loss", "kl_ref", "approx_kl", "clip_frac",
@@ -759,74 +723,60 @@ def update(model, tok, optimizer, samples, args, rng):
 
 
 # ----------------------------------------------------------------------------------------------
-# 5. Evaluation, logging and checkpoints
+# 5. Evaluation
 # ----------------------------------------------------------------------------------------------
-def episode_record(ep, tag):
-    return {"tag": tag, "task_id": ep.task_id, "success": ep.success, "return": ep.env_return,
-            "turns": [{"action": a, "observation": o, "invalid": inv}
-                      for a, o, inv in zip(ep.actions, ep.observations, ep.invalid)]}
-
-
 def evaluate(model, tok, new_env, tasks, args):
-    """Sampled (eval_k per test task, at the training temperature and at the paper's validation
-    temperature 0.4: eval/success_val_temp) and greedy episodes on the test tasks. The sampled
-    episodes draw common random numbers keyed by (seed, stream, episode), the same in every
-    evaluation of the run (and in every run of the seed), so `write_summary` pairs the first and
-    the last evaluation episode by episode (eval/success_episodes)."""
+    """Sampled (at the training and the paper's validation temperature) and greedy test success.
+    The sampled episodes draw common random numbers keyed by (seed, stream, episode), the same in
+    every evaluation, so `write_summary` pairs the first and the last evaluation by episode."""
     tasks_k = [t for t in tasks for _ in range(args.eval_k)]
-    budget = args.max_new_tokens
     keys = [[(args.seed, stream, i) for i in range(len(tasks_k))] for stream in (0, 1)]
-    episodes = rollout(model, tok, new_env, tasks_k, [0] * len(tasks_k), args.temperature, budget,
-                       noise_keys=keys[0])
-    val = rollout(model, tok, new_env, tasks_k, [0] * len(tasks_k), args.eval_temperature, budget,
-                  noise_keys=keys[1])
-    greedy = rollout(model, tok, new_env, tasks, [0] * len(tasks), 1.0, budget, greedy=True)
-    out, n_turns = {}, sum(ep.length for ep in episodes)
-    out["eval/success_episodes"] = [float(ep.success) for ep in episodes]
+    episodes = rollout(model, tok, new_env, tasks_k, [0] * len(tasks_k), args.temperature,
+                       args.max_new_tokens, noise_keys=keys[0])
+    val = rollout(model, tok, new_env, tasks_k, [0] * len(tasks_k), args.eval_temperature,
+                  args.max_new_tokens, noise_keys=keys[1])
+    greedy = rollout(model, tok, new_env, tasks, [0] * len(tasks), 1.0, args.max_new_tokens,
+                     greedy=True)
+    out = {"eval/success_episodes": [float(ep.success) for ep in episodes]}
     for key, eps in (("", episodes), ("_greedy", greedy), ("_val_temp", val)):
         out[f"eval/success{key}"], out[f"eval/success{key}_se"] = mean_se([e.success for e in eps])
+    n_turns = sum(ep.length for ep in episodes)
     out["eval/return"] = float(np.mean([ep.env_return for ep in episodes]))
     out["eval/return_greedy"] = float(np.mean([ep.env_return for ep in greedy]))
     out["eval/episode_length"] = float(np.mean([ep.length for ep in episodes]))
     out["eval/invalid_rate"] = float(sum(sum(ep.invalid) for ep in episodes) / max(n_turns, 1))
-    records = [episode_record(ep, "sampled") for ep in episodes[: args.num_logged_episodes]]
-    records += [episode_record(ep, "greedy")
-                for ep in greedy[: max(1, args.num_logged_episodes // 2)]]
-    return out, records
+    logged = ([("sampled", ep) for ep in episodes[: args.num_logged_episodes]]
+              + [("greedy", ep) for ep in greedy[: max(1, args.num_logged_episodes // 2)]])
+    return out, [{"tag": tag, "task_id": ep.task_id, "success": ep.success, "return": ep.env_return,
+                  "turns": [{"action": a, "observation": o, "invalid": v}
+                            for a, o, v in zip(ep.actions, ep.observations, ep.invalid)]}
+                 for tag, ep in logged]
 
 
 def iteration_row(episodes, samples, ustats, cstats, seconds):
     """One iteration's metrics: training rollouts, losses, credit statistics, seconds per phase."""
     n_turns = sum(ep.length for ep in episodes)
-    row = {
-        "charts/success": float(np.mean([ep.success for ep in episodes])),
-        "charts/return": float(np.mean([ep.env_return for ep in episodes])),
-        "charts/episode_length": float(np.mean([ep.length for ep in episodes])),
-        "charts/invalid_rate": float(sum(sum(ep.invalid) for ep in episodes) / max(n_turns, 1)),
-        **{f"losses/{k}": v for k, v in ustats.items()},
-        **cstats,
-        **{f"perf/{k}_seconds": v for k, v in seconds.items()},
-        "perf/tokens_per_second": sum(len(x.completion) for x in samples) / max(seconds["rollout"],
-                                                                                 1e-9),
-        "perf/samples": len(samples),
-    }
+    n_tokens = sum(len(x.completion) for x in samples)
+    row = {"charts/success": float(np.mean([ep.success for ep in episodes])),
+           "charts/return": float(np.mean([ep.env_return for ep in episodes])),
+           "charts/episode_length": float(np.mean([ep.length for ep in episodes])),
+           "charts/invalid_rate": float(sum(sum(ep.invalid) for ep in episodes) / max(n_turns, 1)),
+           **{f"losses/{k}": v for k, v in ustats.items()}, **cstats,
+           **{f"perf/{k}_seconds": v for k, v in seconds.items()},
+           "perf/tokens_per_second": n_tokens / max(seconds["rollout"], 1e-9),
+           "perf/samples": len(samples)}
     if torch.cuda.is_available():
         row["perf/peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
     return row
 
 
-def start_run(args, extra):
-    """The run directory, its config.json (every Args field as resolved, and `extra`), a Logger.
-    With --resume: the run's own directory, its config.json as written when it started."""
-    if args.resume:
-        print(f"run dir: {args.resume} (resumed)")
-        return Path(args.resume), Logger(Path(args.resume), args.track)
-    name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_dir = Path(args.output_dir) / name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    print(f"run dir: {run_dir}")
-    (run_dir / "config.json").write_text(json.dumps({**asdict(args), **extra}, indent=2))
-    return run_dir, Logger(run_dir, args.track)
+def mean_se(values) -> tuple[float, float]:
+    """Mean and standard error (scipy.stats.sem: sample std / sqrt(n); 0 for fewer than two values)
+    of per-episode values; for success flags the rate p and about sqrt(p (1 - p) / n)."""
+    x = np.asarray(values, dtype=np.float64)
+    if x.size < 2:
+        return (float(x.mean()) if x.size else 0.0), 0.0
+    return float(x.mean()), float(scipy.stats.sem(x))
 
 
 def eval_line(it, ev):
@@ -853,110 +803,8 @@ def write_summary(run_dir, args, wall_seconds, first_eval, last_eval, metric, **
     return summary
 
 
-def mean_se(values) -> tuple[float, float]:
-    """Mean and standard error (scipy.stats.sem: sample std / sqrt(n); 0 for fewer than two values)
-    of per-episode values; for success flags the rate p and about sqrt(p (1 - p) / n)."""
-    x = np.asarray(values, dtype=np.float64)
-    if x.size < 2:
-        return (float(x.mean()) if x.size else 0.0), 0.0
-    return float(x.mean()), float(scipy.stats.sem(x))
-
-
-class Logger:
-    """metrics.jsonl (one row per iteration; NaN and inf are written as null, so every line is valid
-    JSON), samples.jsonl (decoded episodes) and, with --track, TensorBoard scalars."""
-
-    def __init__(self, run_dir: Path, track: bool):
-        self.f = open(run_dir / "metrics.jsonl", "a")
-        self.samples = open(run_dir / "samples.jsonl", "a")
-        self.tb = None
-        if track:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-                self.tb = SummaryWriter(str(run_dir / "tb"))
-            except Exception:  # noqa: BLE001 - optional extra
-                print("--track: tensorboard is not installed; logging to metrics.jsonl only")
-
-    def log(self, it: int, row: dict):
-        row = {k: None if isinstance(v, float) and not math.isfinite(v) else v
-               for k, v in row.items()}
-        self.f.write(json.dumps({"iteration": it, **row}) + "\n")
-        self.f.flush()
-        if self.tb:
-            for k, v in row.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool):
-                    self.tb.add_scalar(k, v, it)
-
-    def log_samples(self, it: int, records: list):
-        for r in records:
-            self.samples.write(json.dumps({"iteration": it, **r}, default=str) + "\n")
-        self.samples.flush()
-
-
-def save_adapter(model, run_dir: Path):
-    model.save_pretrained(str(run_dir / "adapter"))
-
-
-def resumed_args(args):
-    """--resume RUN_DIR: the arguments that run started with (its config.json), to go on with it."""
-    from common.models import UserError
-
-    run_dir = Path(args.resume)
-    if not (run_dir / "checkpoint.pt").is_file():
-        raise UserError(f"--resume {run_dir}: no checkpoint.pt there (a run writes one every "
-                        "--checkpoint-every iterations); pass a run that reached its first one")
-    saved = json.loads((run_dir / "config.json").read_text())
-    names = {f.name for f in dataclasses.fields(args)} - {"resume"}
-    return dataclasses.replace(args, **{k: v for k, v in saved.items() if k in names})
-
-
-def fill_defaults(args, values):
-    """`args` with each option left at None set from `values` (PRESETS, the policy's defaults)."""
-    return dataclasses.replace(args, **{k: v for k, v in values.items()
-                                        if getattr(args, k) is None})
-
-
-def save_checkpoint(run_dir: Path, it, model, optimizers, rng, evals, extra=None):
-    """checkpoint.pt: what --resume needs to go on after iteration `it` as if the run had not
-    stopped (every LoRA tensor, the optimizers, RNG states, evaluations, the method's state)."""
-    state = {"iteration": it, "evals": evals, "extra": extra,
-             "lora": {n: p.detach().cpu().clone() for n, p in model.named_parameters()
-                      if "lora_" in n},
-             "optimizers": {k: opt.state_dict() for k, opt in optimizers.items()},
-             "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
-                     "torch": torch.get_rng_state(), "run": rng.bit_generator.state,
-                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}
-    torch.save(state, run_dir / "checkpoint.pt.tmp")
-    Path(run_dir / "checkpoint.pt.tmp").replace(run_dir / "checkpoint.pt")  # never half a file
-
-
-def load_checkpoint(run_dir: Path, model, optimizers, rng):
-    """Restore what save_checkpoint wrote and drop the log lines of later iterations (a killed run
-    may have logged some). Returns (iteration, evals, extra)."""
-    ck = torch.load(run_dir / "checkpoint.pt", map_location="cpu", weights_only=False)
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, tensor in ck["lora"].items():
-            params[name].copy_(tensor)
-    for k, opt in optimizers.items():
-        opt.load_state_dict(ck["optimizers"][k])
-    r = ck["rng"]
-    random.setstate(r["python"])
-    np.random.set_state(r["numpy"])
-    torch.set_rng_state(r["torch"])
-    if r["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(r["cuda"])
-    rng.bit_generator.state = r["run"]
-    for log in ("metrics.jsonl", "samples.jsonl"):
-        lines = (run_dir / log).read_text().splitlines() if (run_dir / log).is_file() else []
-        kept = [line for line in lines
-                if line.strip() and json.loads(line)["iteration"] <= ck["iteration"]]
-        (run_dir / log).write_text("".join(line + "\n" for line in kept))
-    return ck["iteration"], ck["evals"], ck["extra"]
-
-
 # ----------------------------------------------------------------------------------------------
-# 6. Main loop
+# 6. Logging, checkpoints and the main loop
 # ----------------------------------------------------------------------------------------------
 def make_env(args):
     """The env factory `new_env` (user errors -> UserError), one probe instance, the policy's
@@ -999,38 +847,37 @@ def make_env(args):
 
 
 def resolve_args(args, defaults):
-    """`args` with every option left at None filled in (PRESETS through `defaults`, OMEGA_BY_ENV):
-    the values the run uses and config.json records."""
-    def given(value, default):
-        return default if value is None else value
-
-    return dataclasses.replace(
-        args, learning_rate=given(args.learning_rate, defaults.learning_rate),
-        max_new_tokens=args.max_new_tokens or defaults.max_new_tokens,
-        omega=given(args.omega, OMEGA_BY_ENV.get(args.env_id, 0.5)),
-        micro_batch_size=given(args.micro_batch_size,
-                               PRESETS["tiny" if defaults.is_tiny else "real"]["micro_batch_size"]))
+    """`args` with the options left at None filled in (PRESETS through `defaults`, OMEGA_BY_ENV)."""
+    return fill_defaults(args, {
+        "learning_rate": defaults.learning_rate, "max_new_tokens": defaults.max_new_tokens,
+        "micro_batch_size": PRESETS["tiny" if defaults.is_tiny else "real"]["micro_batch_size"],
+        "omega": OMEGA_BY_ENV.get(args.env_id, 0.5)})
 
 
 def check_args(args):
-    """User errors in the (resolved) arguments -> UserError, one line that says what to do."""
+    """User errors in the resolved arguments -> UserError, one line that says what to do."""
     from common.models import UserError
 
-    rules = [
-        (args.group_size >= 2,
-         "--group-size must be >= 2 (advantages compare the trajectories of a task)"),
-        (min(args.tasks_per_iteration, args.micro_batch_size, args.eval_k) >= 1,
-         "--tasks-per-iteration, --micro-batch-size and --eval-k must be >= 1"),
-        (args.num_iterations >= 0, "--num-iterations must be >= 0"),
-        (args.history is None or args.history >= 0,
-         f"--history must be >= 0 (or None), got {args.history}"),
-        (0.0 < args.omega < 1.0, f"--omega must lie in (0, 1), got {args.omega}"),
-        (0.0 < args.similarity_threshold <= 1.0,
-         f"--similarity-threshold must lie in (0, 1], got {args.similarity_threshold}"),
-    ]
-    for ok, message in rules:
-        if not ok:
-            raise UserError(message)
+    if args.group_size < 2:
+        raise UserError("--group-size must be >= 2 (advantages compare the trajectories of a task)")
+    if min(args.tasks_per_iteration, args.micro_batch_size, args.eval_k, args.max_new_tokens) < 1:
+        raise UserError("--tasks-per-iteration, --micro-batch-size, --eval-k and --max-new-tokens "
+                        "must be >= 1")
+    if args.num_iterations < 0:
+        raise UserError("--num-iterations must be >= 0")
+    if args.history is not None and args.history < 0:
+        raise UserError(f"--history must be >= 0 (or None), got {args.history}")
+    if not 0.0 < args.omega < 1.0:
+        raise UserError(f"--omega must lie in (0, 1), got {args.omega}")
+    if not 0.0 < args.similarity_threshold <= 1.0:
+        raise UserError("--similarity-threshold must lie in (0, 1], got "
+                        f"{args.similarity_threshold}")
+
+
+def fill_defaults(args, values):
+    """`args` with each option left at None set from `values` (PRESETS, the policy's defaults)."""
+    return dataclasses.replace(args, **{k: v for k, v in values.items()
+                                        if getattr(args, k) is None})
 
 
 def seed_everything(seed):
@@ -1039,6 +886,107 @@ def seed_everything(seed):
     np.random.seed(seed)
     torch.manual_seed(seed)
     return np.random.default_rng(seed)
+
+
+def resumed_args(args):
+    """--resume RUN_DIR: the arguments that run started with (its config.json), to go on with it."""
+    from common.models import UserError
+
+    run_dir = Path(args.resume)
+    if not (run_dir / "checkpoint.pt").is_file():
+        raise UserError(f"--resume {run_dir}: no checkpoint.pt there (a run writes one every "
+                        "--checkpoint-every iterations); pass a run that reached its first one")
+    saved = json.loads((run_dir / "config.json").read_text())
+    names = {f.name for f in dataclasses.fields(args)} - {"resume"}
+    return dataclasses.replace(args, **{k: v for k, v in saved.items() if k in names})
+
+
+def start_run(args, extra):
+    """The run directory, its config.json (every Args field as resolved, and `extra`), a Logger.
+    With --resume: the run's own directory, its config.json as written when it started."""
+    if args.resume:
+        print(f"run dir: {args.resume} (resumed)")
+        return Path(args.resume), Logger(Path(args.resume), args.track)
+    name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_dir = Path(args.output_dir) / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    print(f"run dir: {run_dir}")
+    (run_dir / "config.json").write_text(json.dumps({**asdict(args), **extra}, indent=2))
+    return run_dir, Logger(run_dir, args.track)
+
+
+class Logger:
+    """metrics.jsonl (one row per iteration; NaN and inf are written as null, so every line is valid
+    JSON), samples.jsonl (decoded episodes) and, with --track, TensorBoard scalars."""
+
+    def __init__(self, run_dir: Path, track: bool):
+        self.f = open(run_dir / "metrics.jsonl", "a")
+        self.samples = open(run_dir / "samples.jsonl", "a")
+        self.tb = None
+        if track:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self.tb = SummaryWriter(str(run_dir / "tb"))
+            except Exception:  # noqa: BLE001 - optional extra
+                print("--track: tensorboard is not installed; logging to metrics.jsonl only")
+
+    def log(self, it: int, row: dict):
+        row = {k: None if isinstance(v, float) and not math.isfinite(v) else v
+               for k, v in row.items()}
+        self.f.write(json.dumps({"iteration": it, **row}) + "\n")
+        self.f.flush()
+        if self.tb:
+            for k, v in row.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self.tb.add_scalar(k, v, it)
+
+    def log_samples(self, it: int, records: list):
+        for r in records:
+            self.samples.write(json.dumps({"iteration": it, **r}, default=str) + "\n")
+        self.samples.flush()
+
+
+def save_adapter(model, run_dir: Path):
+    model.save_pretrained(str(run_dir / "adapter"))
+
+
+def save_checkpoint(run_dir: Path, it, model, optimizers, rng, evals, extra=None):
+    """checkpoint.pt: what --resume needs to go on after iteration `it` as if the run had not
+    stopped (every LoRA tensor, the optimizers, RNG states, evaluations, the method's state)."""
+    state = {"iteration": it, "evals": evals, "extra": extra,
+             "lora": {n: p.detach().cpu().clone() for n, p in model.named_parameters()
+                      if "lora_" in n},
+             "optimizers": {k: opt.state_dict() for k, opt in optimizers.items()},
+             "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
+                     "torch": torch.get_rng_state(), "run": rng.bit_generator.state,
+                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}
+    torch.save(state, run_dir / "checkpoint.pt.tmp")
+    Path(run_dir / "checkpoint.pt.tmp").replace(run_dir / "checkpoint.pt")  # never half a file
+
+
+def load_checkpoint(run_dir: Path, model, optimizers, rng):
+    """Restore what save_checkpoint wrote and drop the log lines of later iterations (a killed run
+    may have logged some). Returns (iteration, evals, extra)."""
+    ck = torch.load(run_dir / "checkpoint.pt", map_location="cpu", weights_only=False)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, tensor in ck["lora"].items():
+            params[name].copy_(tensor)
+    for k, opt in optimizers.items():
+        opt.load_state_dict(ck["optimizers"][k])
+    r = ck["rng"]
+    random.setstate(r["python"])
+    np.random.set_state(r["numpy"])
+    torch.set_rng_state(r["torch"])
+    if r["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(r["cuda"])
+    rng.bit_generator.state = r["run"]
+    for log in ("metrics.jsonl", "samples.jsonl"):
+        lines = (run_dir / log).read_text().splitlines() if (run_dir / log).is_file() else []
+        kept = [line for line in lines
+                if line.strip() and json.loads(line)["iteration"] <= ck["iteration"]]
+        (run_dir / log).write_text("".join(line + "\n" for line in kept))
+    return ck["iteration"], ck["evals"], ck["extra"]
 
 
 def main(args: Args):
@@ -1060,8 +1008,8 @@ def main(args: Args):
                              load_in_4bit=args.load_in_4bit, lora_r=args.lora_r,
                              lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                              activation_checkpointing=args.activation_checkpointing)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                  lr=args.learning_rate, weight_decay=args.weight_decay)
     run_dir, logger = start_run(args, {"env_kwargs": env_kwargs,
                                        "max_turns_resolved": probe.max_turns,
                                        "num_train_tasks": len(train_tasks),
@@ -1077,8 +1025,8 @@ def main(args: Args):
 
     start = 0
     if args.resume:
-        start, (first_eval, last_eval), _ = load_checkpoint(run_dir, model, {"policy": optimizer},
-                                                            rng)
+        start, evals, _ = load_checkpoint(run_dir, model, {"policy": optimizer}, rng)
+        first_eval, last_eval = evals
     else:
         first_eval = last_eval = run_eval(0)
         logger.log(0, first_eval)
@@ -1093,19 +1041,12 @@ def main(args: Args):
         groups = [g for g in range(len(chosen)) for _ in range(args.group_size)]
         episodes = rollout(model, tok, new_env, tasks, groups, args.temperature,
                            args.max_new_tokens)
-        seconds = {"rollout": time.time() - t0}
-
         t1 = time.time()
         samples, cstats = compute_advantages(episodes, args)
-        seconds["credit"] = time.time() - t1
-
         t2 = time.time()
         ustats = update(model, tok, optimizer, samples, args, rng)
-        seconds["update"] = time.time() - t2
-        seconds["iteration"] = time.time() - t0
-        cstats["credit/graph_time_frac"] = (cstats["credit/graph_seconds"]
-                                            / max(seconds["iteration"], 1e-9))
-
+        t3 = time.time()
+        seconds = {"rollout": t1 - t0, "credit": t2 - t1, "update": t3 - t2, "iteration": t3 - t0}
         row = iteration_row(episodes, samples, ustats, cstats, seconds)
         if args.eval_every and (it % args.eval_every == 0 or it == args.num_iterations):
             last_eval = run_eval(it)

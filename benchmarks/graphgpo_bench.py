@@ -7,7 +7,8 @@ markdown table and a learning-curve plot to docs/.
     python benchmarks/graphgpo_bench.py --report-only                    # rebuild table and plot from the runs
     python benchmarks/graphgpo_bench.py --env-id alfworld                # once envs/alfworld.py exists
 
-Every run is `graphgpo.py` as a subprocess with one torch thread; the three variants differ only in
+Every run is `graphgpo.py` as a subprocess with one torch thread, through benchmarks/graphgpo_graphs.py,
+which adds the graph statistics of the credit table to its metrics; the three variants differ only in
 `--step-advantage`. Output: docs/graphgpo_bench_<env>.md and docs/graphgpo_bench_<env>.png.
 """
 
@@ -32,9 +33,9 @@ METRICS = [("success", "success (T=1)"), ("success_val_temp", "success (T=0.4)")
 
 
 def run_one(mode, seed, args, out_dir):
-    cmd = [sys.executable, str(REPO / "graphgpo.py"), "--env-id", args.env_id, "--step-advantage", mode,
-           "--seed", str(seed), "--exp-name", f"bench_{mode}", "--output-dir", str(out_dir), "--torch-threads", "1",
-           "--num-iterations", str(args.num_iterations), "--eval-every", str(args.eval_every),
+    cmd = [sys.executable, str(REPO / "benchmarks" / "graphgpo_graphs.py"), "--env-id", args.env_id,
+           "--step-advantage", mode, "--seed", str(seed), "--exp-name", f"bench_{mode}", "--output-dir", str(out_dir),
+           "--torch-threads", "1", "--num-iterations", str(args.num_iterations), "--eval-every", str(args.eval_every),
            "--eval-num-tasks", str(args.eval_num_tasks), "--eval-k", str(args.eval_k), "--checkpoint-every", "0",
            "--tasks-per-iteration", str(args.tasks_per_iteration), *args.extra]
     log = out_dir / f"{mode}_{seed}.log"
@@ -59,6 +60,14 @@ def fmt(vals):
     if not len(v):
         return "n/a"
     return f"{np.median(v):.3f} [{v.min():.3f}, {v.max():.3f}]"
+
+
+def credit_value(row, key):
+    """A metrics row's value of `key`; graph_time_frac from graph_seconds and the iteration's seconds in
+    the runs that log only those (graphgpo_graphs.py)."""
+    if key == "credit/graph_time_frac" and key not in row and "credit/graph_seconds" in row:
+        return row["credit/graph_seconds"] / max(row["perf/iteration_seconds"], 1e-9)
+    return row.get(key)
 
 
 def mean_std(vals):
@@ -100,7 +109,8 @@ def report(runs, env_id, out_md, out_png, cmd_line, wall):
     for m in modes:
         cells = []
         for k, _ in keys:
-            v = [r[k] for s in seeds if (m, s) in runs for r in runs[(m, s)][1] if k in r]
+            v = [x for s in seeds if (m, s) in runs for r in runs[(m, s)][1]
+                 if (x := credit_value(r, k)) is not None]
             cells.append(f"{np.mean(v):.3g}" if v else "n/a")
         lines.append(f"| {NAMES[m]} | " + " | ".join(cells) + " |")
     walls = [s["wall_seconds"] for _, _, s in runs.values()]
