@@ -21,10 +21,13 @@ Equations -> functions (section 2; the kernel `delta_belief_advantages` takes pl
 - StarPO R^i = Σ_t r_t^i, Â^i = (R^i - mean R) / std R                 -> `starpo_turn_rewards`,
                                                                         `trajectory_advantages`
 - belief elicitation b_t (section 4: a scoring forward pass)           -> `elicit_beliefs`
-- Eq. 2  best-of-n ΔBelief sampling (Fig. 3, evaluation only)          -> `rollout(best_of_n=n)`
+- Eq. 2  best-of-n ΔBelief sampling (Fig. 3, evaluation only)          -> `best_of_n_rollout`
 - clipped PG with ε_low / ε_high, dual clip, token-mean                 -> `policy_loss`
 
-Deviations from the paper and from the official code: docs/delta_belief.md, "Deviations".
+`python delta_belief.py` trains the tiny Twenty Questions policy on a CPU, 8 secrets x 4 games per
+iteration against a rule-based oracle (the paper: Qwen3 on GPUs, 240 x 16 games, an LLM judge;
+docs/delta_belief.md, "Deviations"). Read section 2, then `rollout`, `elicit_beliefs`, `update`
+and `main`.
 
 Example
     python delta_belief.py --env-id twenty_questions --reward-mode delta --lam 0.1 --seed 1
@@ -34,7 +37,6 @@ Example
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import json
@@ -80,8 +82,7 @@ class Args:
 
     # model
     model_name: str = "tiny"
-    """'tiny' (the env's tiny local policy), 'smollm2-135m' (SmolLM2-135M-Instruct), a hub id or a
-    local directory"""
+    """'tiny' (the env's tiny policy), 'smollm2-135m', a hub id or a local directory"""
     tiny_preset: str = "default"
     """tiny policy size preset: 'default' or 'micro' (builds in seconds, for tests)"""
     load_in_4bit: Optional[bool] = None
@@ -97,11 +98,9 @@ class Args:
     max_new_tokens: Optional[int] = None
     """most tokens generated per turn; None: by model (PRESETS)"""
     temperature: Optional[float] = None
-    """sampling temperature of the rollouts; None: by model (PRESETS: 1.0, the paper's, or the tiny
-    policy's RL temperature, 20Q: 1.5)"""
+    """rollout sampling temperature; None: by model (1.0, the paper's; the tiny 20Q policy: 1.5)"""
     eval_temperature: Optional[float] = None
-    """sampling temperature of the sampled evaluation (greedy is evaluated as well); None:
-    --temperature's"""
+    """temperature of the sampled evaluation (greedy is evaluated too); None: --temperature's"""
 
     # environment
     env_id: str = "twenty_questions"
@@ -117,25 +116,23 @@ class Args:
     eval_num_tasks: int = 0
     """test targets per evaluation (0: all test targets of the env)"""
     eval_k: int = 5
-    """sampled games per test target (success = mean over them, pass@k = any of them)"""
+    """sampled games per test target (the sampled success is the mean over all of them)"""
     eval_every: int = 32
     """evaluate every this many iterations (and before training and at the end)"""
     eval_best_of_n: int = 0
     """if > 0: also evaluate ΔBelief best-of-n sampling (Fig. 3) before and after training"""
     num_logged_episodes: int = 4
-    """decoded evaluation games written to samples.jsonl per evaluation"""
+    """sampled evaluation games written to samples.jsonl per evaluation (one per target first)"""
 
     # algorithm
     reward_mode: Literal["delta", "starpo"] = "delta"
     """'delta': ΔBelief turn rewards + turn-wise GRPO; 'starpo': trajectory-level GRPO (baseline)"""
     num_iterations: int = 64
-    """training iterations (rollout + update; 64 chosen over 32 on the tuning seeds,
-    docs/delta_belief.md)"""
+    """training iterations (rollout + update; 64 chosen over 32, docs/delta_belief.md)"""
     tasks_per_iteration: int = 8
     """distinct secrets per iteration (official: 240 on GPUs)"""
     group_size: int = 4
-    """G: games per secret, the GRPO group (paper: 16; 4 here so that an iteration covers 8
-    secrets, chosen over 4 x 8 at the same cost on the tuning seeds, docs/delta_belief.md)"""
+    """G: games per secret, the GRPO group (paper: 16; 4 covers 8 secrets, docs/delta_belief.md)"""
     learning_rate: Optional[float] = None
     """AdamW learning rate; None: by model (PRESETS; docs/delta_belief.md)"""
     adam_betas: tuple[float, float] = (0.9, 0.95)
@@ -147,8 +144,7 @@ class Args:
     num_minibatches: int = 2
     """optimizer steps per iteration (the turns split into this many minibatches; official: 3)"""
     micro_batch_size: Optional[int] = None
-    """turns per forward pass (gradient accumulation inside a minibatch; also the belief batches);
-    None: by model (PRESETS: 8 on a real model, whose long prompts make big forwards on a CPU)"""
+    """turns per forward pass (also the belief batches); None: by model (PRESETS)"""
     lam: float = 0.1
     """λ, weight of the clipped belief gain (paper: 0.1; 0 removes the belief term only)"""
     win_reward: float = 2.0
@@ -160,8 +156,7 @@ class Args:
     repeat_penalty: float = 1.0
     """penalty of a turn that repeats an earlier question"""
     belief_template: str = "auto"
-    """elicitation message with {target}; auto: "Is it '{target}'?" (official), the env's own
-    guess on a tiny policy"""
+    """elicitation message with {target}; auto: "Is it '{target}'?" (a tiny policy: the env's)"""
     clip_low: float = 0.2
     """ε_low of the clipped ratio"""
     clip_high: float = 0.28
@@ -169,15 +164,14 @@ class Args:
     dual_clip: float = 3.0
     """dual-clip constant c for negative advantages (verl default; 0 disables)"""
     loss_agg: Literal["auto", "token-mean", "seq-mean-token-mean"] = "auto"
-    """loss aggregation; auto: token-mean for delta, seq-mean-token-mean (per game) for starpo
-    (official)"""
+    """auto: token-mean for delta, seq-mean-token-mean (per game) for starpo (official)"""
     adv_eps: float = 1e-6
     """ε in (r - mean) / (std + ε)"""
 
 
 # The options left at None depend on the model; `resolve_args` fills them, in this one place.
-# "real": any pretrained model (official token budget, paper's lr, temperature 1.0). "tiny": its
-# recipe gives prompt options, token budget, RL temperature (policy_defaults); lr as measured.
+# "real": any pretrained model (official token budget, paper's lr). "tiny": its recipe gives prompt
+# options, token budget and RL temperature (common.models.policy_defaults); lr as measured.
 PRESETS = {"real": dict(learning_rate=3e-5, max_new_tokens=50, micro_batch_size=8),
            "tiny": dict(learning_rate=5e-4, micro_batch_size=64)}
 
@@ -366,11 +360,19 @@ class Episode:
     repeated: list = field(default_factory=list)
     beliefs: list = field(default_factory=list)  # b_0..b_T (b_T = nan after a winning turn)
     success: bool = False
-    env_return: float = 0.0
 
     @property
     def length(self) -> int:
         return len(self.actions)
+
+    def add_turn(self, tok, prompt, completion, step):
+        self.prompts.append(prompt)
+        self.completions.append(completion)
+        self.actions.append(tok.decode(completion, skip_special_tokens=True))
+        self.observations.append(step.observation)
+        self.invalid.append(bool(step.info.get("invalid", False)))
+        self.repeated.append(bool(step.info.get("repeated", False)))
+        self.success = bool(step.done and step.info.get("success", False))
 
 
 @dataclass
@@ -456,89 +458,47 @@ def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False, 
     return [row[: row.index(eos) + 1] if eos in row else row for row in out[:, width:].tolist()]
 
 
-def rollout(model, tok, new_env, task_ids, group_ids, args, temperature, belief_message,
-            greedy=False, best_of_n=0, max_turns=None, with_beliefs=True, belief_games=None,
-            noise_keys=None):
-    """Play one game per task id, all envs stepped together: one batched generate per turn, then
-    (`with_beliefs`) one batched belief elicitation (`elicit_beliefs`): b_0 after reset, b_{t+1}
-    after every turn (NaN after a winning one). `belief_games` (indices into task_ids; None: all)
-    limits the elicitation to those games; it samples nothing, so the games played are the same
-    either way. With `best_of_n` > 0 (evaluation, Eq. 2 / Fig. 3) every turn samples n questions,
-    plays each on a copy of the env and keeps the one with the largest belief gain
-    (docs/delta_belief.md, "Implementation details" 11). `noise_keys` (evaluation): one key per
-    game; candidate j of turn t samples with the common random numbers of (*key, t, j)
-    (`CommonNoise`)."""
+def start_games(new_env, task_ids, group_ids, max_turns=None):
+    """A fresh env per task id, reset, and its Episode (`max_turns`: another question budget)."""
     envs_, episodes = [], []
     for i, (task, g) in enumerate(zip(task_ids, group_ids)):
-        env = new_env()
+        envs_.append(new_env())
         if max_turns:
-            env.max_turns = max_turns
-        env.reset(task)
-        envs_.append(env)
-        episodes.append(Episode(traj_id=i, group_id=g, task_id=str(task),
-                                target=str(getattr(env, "target", ""))))
+            envs_[i].max_turns = max_turns
+        envs_[i].reset(task)
+        episodes.append(Episode(i, g, task_id=str(task), target=str(envs_[i].target)))
+    return envs_, episodes
+
+
+def rollout(model, tok, new_env, task_ids, group_ids, args, temperature, belief_message,
+            greedy=False, max_turns=None, with_beliefs=True, noise_keys=None):
+    """One game per task id, all envs stepped together: one batched generate per turn, then (with
+    beliefs) one batched `elicit_beliefs`: b_0 after reset, b_{t+1} after every turn (NaN after a
+    winning one). `noise_keys` (evaluation): one key per game, turn t samples with (*key, t, 0)."""
+    envs_, episodes = start_games(new_env, task_ids, group_ids, max_turns)
     model.eval()
 
-    def beliefs_in(games, targets):  # b of each env's current chat, in micro-batches
-        return elicit_beliefs(model, tok, [env.messages() for env in games], targets,
-                              belief_message, args.micro_batch_size)
+    def beliefs(games):  # b of each game's current chat, in micro-batches
+        return elicit_beliefs(model, tok, [envs_[i].messages() for i in games],
+                              [episodes[i].target for i in games], belief_message,
+                              args.micro_batch_size)
 
-    scored = set(range(len(envs_)) if belief_games is None or best_of_n else belief_games)
-    if with_beliefs or best_of_n:
-        first = sorted(scored)
-        b0 = beliefs_in([envs_[i] for i in first], [episodes[i].target for i in first])
-        for i, b in zip(first, b0):
-            episodes[i].beliefs.append(float(b))
-    while True:
-        active = [i for i, e in enumerate(envs_) if not e.done]
-        if not active:
-            break
+    if with_beliefs:
+        for ep, b in zip(episodes, beliefs(range(len(episodes)))):
+            ep.beliefs.append(float(b))
+    while active := [i for i, env in enumerate(envs_) if not env.done]:
         prompts = [encode(tok, render_prompt(tok, envs_[i].messages())) for i in active]
-        n = max(1, best_of_n)
-        keys = None if noise_keys is None else [(*noise_keys[i], episodes[i].length, j)
-                                                for i in active for j in range(n)]
-        completions = generate(model, tok, [p for p in prompts for _ in range(n)], temperature,
-                               args.max_new_tokens, greedy=greedy and n == 1, noise_keys=keys)
-        if n > 1:  # ΔBelief best-of-n: every candidate question is played on a copy of the env
-            copies, steps = [], []
-            for k, i in enumerate(active):
-                for j in range(n):
-                    env = copy.deepcopy(envs_[i])
-                    steps.append(env.step(completion_text(tok, completions[k * n + j])))
-                    copies.append(env)
-            unsolved = [q for q, step in enumerate(steps) if not step.info["success"]]
-            after = np.full(len(copies), np.inf)  # a candidate that names the secret wins outright
-            after[unsolved] = beliefs_in([copies[q] for q in unsolved],
-                                         [episodes[active[q // n]].target for q in unsolved])
-            chosen = []
-            for k, i in enumerate(active):
-                gains = after[k * n:(k + 1) * n] - episodes[i].beliefs[-1]
-                j = int(np.argmax(gains))
-                envs_[i] = copies[k * n + j]
-                chosen.append((completions[k * n + j], steps[k * n + j], after[k * n + j]))
-        else:
-            chosen = [(completions[k], envs_[i].step(completion_text(tok, completions[k])), None)
-                      for k, i in enumerate(active)]
-        for k, i in enumerate(active):
-            ep, (completion, step, belief) = episodes[i], chosen[k]
-            ep.prompts.append(prompts[k])
-            ep.completions.append(completion)
-            ep.actions.append(tok.decode(completion, skip_special_tokens=True))
-            ep.observations.append(step.observation)
-            ep.invalid.append(bool(step.info.get("invalid", False)))
-            ep.repeated.append(bool(step.info.get("repeated", False)))
-            ep.env_return += float(step.reward)
-            if step.done:
-                ep.success = bool(step.info.get("success", False))
-            if belief is not None:
-                ep.beliefs.append(float(belief) if np.isfinite(belief) else float("nan"))
-        if with_beliefs and best_of_n <= 1:
-            unsolved = [i for i in active if not episodes[i].success and i in scored]
-            after = dict(zip(unsolved, beliefs_in([envs_[i] for i in unsolved],
-                                                  [episodes[i].target for i in unsolved])))
+        keys = None if noise_keys is None else [(*noise_keys[i], episodes[i].length, 0)
+                                                for i in active]
+        completions = generate(model, tok, prompts, temperature, args.max_new_tokens, greedy, keys)
+        for i, prompt, completion in zip(active, prompts, completions):
+            step = envs_[i].step(completion_text(tok, completion))
+            episodes[i].add_turn(tok, prompt, completion, step)
+        if with_beliefs:  # none is elicited after the winning turn
+            unsolved = [i for i in active if not episodes[i].success]
+            after = dict(zip(unsolved, beliefs(unsolved)))
             for i in active:
-                if i in scored:  # none is elicited after the winning turn
-                    episodes[i].beliefs.append(float(after[i]) if i in after else float("nan"))
+                episodes[i].beliefs.append(float(after.get(i, float("nan"))))
     return episodes
 
 
@@ -559,66 +519,33 @@ def compute_advantages(episodes, args, signal=None):
                   turn_penalty=args.turn_penalty, invalid_penalty=args.invalid_penalty,
                   repeat_penalty=args.repeat_penalty)
     adv = delta_belief_advantages(**inputs, eps=args.adv_eps)
-    rewards = batch_turn_rewards(**inputs)  # for the log: their mean
     samples = [Sample(ep.prompts[t], ep.completions[t], ep.group_id, ep.traj_id, t, float(a))
                for (ep, t), a in zip(turns, adv)]
-    a = np.asarray(adv)
-    stats = {
-        "charts/turn_reward_mean": float(np.mean(rewards)) if len(rewards) else 0.0,
-        "credit/adv_abs_mean": float(np.abs(a).mean()) if len(a) else 0.0,
-        "credit/adv_nonzero_frac": float((np.abs(a) > 1e-8).mean()) if len(a) else 0.0,
-    }
+    stats = {"charts/turn_reward_mean": float(np.mean(batch_turn_rewards(**inputs))),
+             "credit/adv_abs_mean": float(np.abs(adv).mean()),
+             "credit/adv_nonzero_frac": float((np.abs(adv) > 1e-8).mean())}
     if delta:
         change = signal[:, 1] - signal[:, 0]  # ΔBelief (Eq. 1) of every turn
         won_turn = np.array([ep.success and t == ep.length - 1 for ep, t in turns], dtype=bool)
         deltas = change[~won_turn & np.isfinite(change)]  # the winning turn has no b after it
-        b0 = signal[np.array([t == 0 for _, t in turns], dtype=bool), 0]
-        stats["credit/delta_belief_mean"] = float(np.mean(deltas)) if len(deltas) else 0.0
-        stats["credit/delta_belief_pos_frac"] = (float(np.mean(deltas > 0)) if len(deltas)
-                                                 else 0.0)
-        stats["credit/belief_b0_mean"] = float(np.mean(b0))
-        stats["credit/belief_gain_reward_mean"] = (float(args.lam * np.mean(np.maximum(deltas, 0)))
-                                                   if len(deltas) else 0.0)
+        deltas = deltas if len(deltas) else np.zeros(1)  # none measured: 0
+        first = [t == 0 for _, t in turns]
+        stats.update({"credit/delta_belief_mean": float(np.mean(deltas)),
+                      "credit/delta_belief_pos_frac": float(np.mean(deltas > 0)),
+                      "credit/belief_b0_mean": float(np.mean(signal[first, 0])),
+                      "credit/belief_gain_reward_mean": float(args.lam
+                                                              * np.mean(np.maximum(deltas, 0)))})
     return samples, stats
 
 
 # ----------------------------------------------------------------------------------------------
 # 4. Log-probs and loss
 # ----------------------------------------------------------------------------------------------
-def completion_logprobs(model, tok, prompt_ids, completion_ids, temperature=1.0):
-    """Per-token log-probs of the completions given the prompts, under softmax(logits / T), the
-    sampling distribution: one left-padded forward with the active adapter (docs/design.md, "Shared
-    blocks"). Returns (logp [B, C], mask [B, C]), C the longest completion, completions
-    right-aligned (row i's tokens are its last len(completion_i) columns; an empty one: zeros)."""
-    device = next(model.parameters()).device
-    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    seqs = [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids)]
-    width = max(len(s) for s in seqs)
-    C = max(1, max(len(c) for c in completion_ids))
-    input_ids = torch.tensor([[pad] * (width - len(s)) + s for s in seqs], dtype=torch.long,
-                             device=device)
-    attention = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs],
-                             dtype=torch.long, device=device)
-    mask = torch.tensor([[0.0] * (C - len(c)) + [1.0] * len(c) for c in completion_ids],
-                        device=device)
-    # positions count real tokens only, as in generate: left padding then changes no log-prob
-    position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
-    # the logits at positions width-C-1 .. width-2 predict the last C tokens (the completions)
-    logits = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
-                   logits_to_keep=C + 1).logits[:, :-1].float()
-    if temperature > 0 and temperature != 1.0:  # temperature <= 0 (greedy) scores the raw logits
-        logits = logits / temperature
-    targets = input_ids[:, width - C:]
-    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-    return logp * mask, mask
-
-
-# The belief signal b_t (the kernel's log_beliefs) is a scoring forward pass like the loss's: the
-# log-prob of the secret's tokens in an elicitation message, through `completion_logprobs`.
+# The belief b_t (the kernel's log_beliefs) is a scoring forward pass like the loss's: the log-prob
+# of the secret's tokens in an elicitation message, through `completion_logprobs`.
 def belief_message_for(template, env, is_tiny):
-    """The elicitation message: a template with {target}, or (template "auto") the official
-    "Is it '{target}'?", except for a tiny policy on an env with guesses (`env.guess_text`): then
-    the env's canonical guess ("Is it a cat?"), the only guess form a tiny policy has ever seen."""
+    """`template`, or for "auto" the official "Is it '{target}'?"; a tiny policy on an env with
+    guesses gets the env's `guess_text` ("Is it a cat?"), the only guess form it has seen."""
     if template != "auto":
         return template
     if is_tiny and env.guess_text(env.task_ids("test")[0]) is not None:
@@ -639,11 +566,8 @@ def locate_target(tok, message: str, target: str):
         ids, spans = list(enc["input_ids"]), [tuple(s) for s in enc["offset_mapping"]]
     except (NotImplementedError, TypeError, ValueError, KeyError):  # a slow tokenizer: decode
         ids = encode(tok, message)
-        spans, prev = [], 0
-        for i in range(len(ids)):
-            n = len(tok.decode(ids[: i + 1]))
-            spans.append((prev, n))
-            prev = n
+        ends = [len(tok.decode(ids[: i + 1])) for i in range(len(ids))]
+        spans = list(zip([0] + ends[:-1], ends))
     mask = [1 if (s < end and e > start and e > s) else 0 for s, e in spans]
     if not any(mask):
         raise ValueError(f"no token of {message!r} covers the target {target!r}")
@@ -679,6 +603,34 @@ def elicit_beliefs(model, tok, messages_list, targets, template="Is it '{target}
     return np.asarray(out, dtype=np.float64)
 
 
+def completion_logprobs(model, tok, prompt_ids, completion_ids, temperature=1.0):
+    """Per-token log-probs of the completions given the prompts, under softmax(logits / T), the
+    sampling distribution: one left-padded forward with the active adapter (docs/design.md, "Shared
+    blocks"). Returns (logp [B, C], mask [B, C]), C the longest completion, completions
+    right-aligned (row i's tokens are its last len(completion_i) columns; an empty one: zeros)."""
+    device = next(model.parameters()).device
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    seqs = [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids)]
+    width = max(len(s) for s in seqs)
+    C = max(1, max(len(c) for c in completion_ids))
+    input_ids = torch.tensor([[pad] * (width - len(s)) + s for s in seqs], dtype=torch.long,
+                             device=device)
+    attention = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs],
+                             dtype=torch.long, device=device)
+    mask = torch.tensor([[0.0] * (C - len(c)) + [1.0] * len(c) for c in completion_ids],
+                        device=device)
+    # positions count real tokens only, as in generate: left padding then changes no log-prob
+    position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
+    # the logits at positions width-C-1 .. width-2 predict the last C tokens (the completions)
+    logits = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
+                   logits_to_keep=C + 1).logits[:, :-1].float()
+    if temperature > 0 and temperature != 1.0:  # temperature <= 0 (greedy) scores the raw logits
+        logits = logits / temperature
+    targets = input_ids[:, width - C:]
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    return logp * mask, mask
+
+
 def _padded(samples, key, C, device):
     """Right-aligned [B, C] tensor of the samples' per-token vectors `key`, zeros on the left."""
     rows = [getattr(x, key).to(device) for x in samples]
@@ -686,26 +638,23 @@ def _padded(samples, key, C, device):
 
 
 def seq_len(sample) -> int:
-    """Prompt plus completion tokens: micro-batches of similar lengths pad little. A turn's prompt
-    holds the game so far, so a random micro-batch of 64 turns is about half padding."""
+    """Prompt plus completion tokens: micro-batches of similar lengths pad little (a turn's prompt
+    holds the game so far, so a random micro-batch of 64 turns is about half padding)."""
     return len(sample.prompt) + len(sample.completion)
 
 
 @torch.no_grad()
-def token_logprobs(model, tok, samples, adapter, micro_batch_size, temperature=1.0):
-    """Per-sample token log-prob vectors under the policy (adapter "default") or, with adapter None,
-    under the reference policy (the adapter disabled: the base model); eval mode, no gradient."""
+def token_logprobs(model, tok, samples, micro_batch_size, temperature=1.0):
+    """Per-sample token log-prob vectors under the policy, in length-sorted micro-batches."""
     model.eval()
     out = [None] * len(samples)
     order = sorted(range(len(samples)), key=lambda i: seq_len(samples[i]))  # little padding
     for s in range(0, len(order), micro_batch_size):
         idx = order[s:s + micro_batch_size]
-        chunk = [samples[i] for i in idx]
-        with model.disable_adapter() if adapter is None else contextlib.nullcontext():
-            lp, _ = completion_logprobs(model, tok, [x.prompt for x in chunk],
-                                        [x.completion for x in chunk], temperature=temperature)
-        for j, (i, x) in enumerate(zip(idx, chunk)):
-            out[i] = lp[j, lp.shape[1] - len(x.completion):].float().cpu()
+        lp, _ = completion_logprobs(model, tok, [samples[i].prompt for i in idx],
+                                    [samples[i].completion for i in idx], temperature=temperature)
+        for j, i in enumerate(idx):
+            out[i] = lp[j, lp.shape[1] - len(samples[i].completion):].float().cpu()
     return out
 
 
@@ -714,15 +663,14 @@ def policy_loss(logp, old_logp, adv, weights, clip_low, clip_high, dual_clip):
 
         ratio = exp(logp - old); l = -min(ratio A, clip(ratio, 1 - ε_low, 1 + ε_high) A)
         for A < 0: l = min(l, -c A)   (dual clip);   loss = Σ weights * l
-    """
+    Returns the loss and the 0/1 mask of the clipped tokens."""
     ratio = torch.exp(logp - old_logp)
     l1 = -adv * ratio
     l2 = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     loss_tok = torch.maximum(l1, l2)
-    if dual_clip and dual_clip > 1.0:
+    if dual_clip > 1.0:
         loss_tok = torch.where(adv < 0, torch.minimum(loss_tok, -adv * dual_clip), loss_tok)
-    clipped = (l2 > l1).float()
-    return (loss_tok * weights).sum(), clipped, ratio
+    return (loss_tok * weights).sum(), (l2 > l1).float()
 
 
 def minibatches(trajs, n, rng, whole_games):
@@ -732,10 +680,10 @@ def minibatches(trajs, n, rng, whole_games):
     n = max(1, n)
     if not whole_games:
         return [list(b) for b in np.array_split(rng.permutation(len(trajs)), n)]
-    games = list(dict.fromkeys(trajs))
-    members = {g: [] for g in games}
+    members = {}  # game -> its samples, games in order of first appearance
     for i, g in enumerate(trajs):
-        members[g].append(i)
+        members.setdefault(g, []).append(i)
+    games = list(members)
     order = [games[k] for k in rng.permutation(len(games))]
     return [[i for g in part for i in members[g]]
             for part in np.array_split(np.array(order, dtype=object), n)]
@@ -747,7 +695,7 @@ def update(model, tok, optimizer, samples, args, rng):
     device = next(model.parameters()).device
     agg = args.loss_agg if args.loss_agg != "auto" else (
         "token-mean" if args.reward_mode == "delta" else "seq-mean-token-mean")
-    old = token_logprobs(model, tok, samples, "default", args.micro_batch_size, args.temperature)
+    old = token_logprobs(model, tok, samples, args.micro_batch_size, args.temperature)
     for x, o in zip(samples, old):
         x.old = o
     model.train()
@@ -777,8 +725,8 @@ def update(model, tok, optimizer, samples, args, rng):
             w = m * torch.tensor([1.0 / ntok if agg == "token-mean"
                                   else 1.0 / (len(game_tokens) * game_tokens[x.traj])
                                   for x in chunk], device=device)[:, None]
-            loss, clipped, _ = policy_loss(lp, old, adv, w, args.clip_low, args.clip_high,
-                                           args.dual_clip)
+            loss, clipped = policy_loss(lp, old, adv, w, args.clip_low, args.clip_high,
+                                        args.dual_clip)
             loss.backward()
             acc["policy_loss"] += float(loss.detach())
             with torch.no_grad():
@@ -794,118 +742,69 @@ def update(model, tok, optimizer, samples, args, rng):
 
 
 # ----------------------------------------------------------------------------------------------
-# 5. Evaluation, logging and checkpoints
+# 5. Evaluation
 # ----------------------------------------------------------------------------------------------
-def belief_curve(episodes, max_len):
-    """Mean b_t per turn t = 0..max_len over the games that have b_t (finished games drop out)."""
-    curve = []
-    for t in range(max_len + 1):
-        vals = [ep.beliefs[t] for ep in episodes
-                if len(ep.beliefs) > t and np.isfinite(ep.beliefs[t])]
-        curve.append(float(np.mean(vals)) if vals else None)
-    while curve and curve[-1] is None:
-        curve.pop()
-    return curve
+def best_of_n_rollout(model, tok, new_env, tasks, args, belief_message, n, max_turns, noise_keys):
+    """ΔBelief best-of-n (Eq. 2, Fig. 3): every turn samples n questions (keys (*key, t, j)), plays
+    each on a copy of the env and keeps the largest belief gain; a question that wins, outright."""
+    envs_, episodes = start_games(new_env, tasks, range(len(tasks)), max_turns)
+    b0 = elicit_beliefs(model, tok, [env.messages() for env in envs_],
+                        [ep.target for ep in episodes], belief_message, args.micro_batch_size)
+    for ep, b in zip(episodes, b0):
+        ep.beliefs.append(float(b))
+    while active := [i for i, env in enumerate(envs_) if not env.done]:
+        prompts = [encode(tok, render_prompt(tok, envs_[i].messages())) for i in active]
+        keys = [(*noise_keys[i], episodes[i].length, j) for i in active for j in range(n)]
+        completions = generate(model, tok, [p for p in prompts for _ in range(n)],
+                               args.eval_temperature, args.max_new_tokens, noise_keys=keys)
+        copies = [copy.deepcopy(envs_[i]) for i in active for _ in range(n)]
+        steps = [env.step(completion_text(tok, c)) for env, c in zip(copies, completions)]
+        unsolved = [q for q, step in enumerate(steps) if not step.info["success"]]
+        after = np.full(len(copies), np.inf)
+        after[unsolved] = elicit_beliefs(model, tok, [copies[q].messages() for q in unsolved],
+                                         [episodes[active[q // n]].target for q in unsolved],
+                                         belief_message, args.micro_batch_size)
+        for k, i in enumerate(active):
+            j = k * n + int(np.argmax(after[k * n:(k + 1) * n] - episodes[i].beliefs[-1]))
+            envs_[i] = copies[j]
+            episodes[i].add_turn(tok, prompts[k], completions[j], steps[j])
+            episodes[i].beliefs.append(float(after[j]) if np.isfinite(after[j]) else math.nan)
+    return episodes
 
 
-def episode_stats(episodes, k):
-    """success (mean), pass@k (per task, any of its k games), questions, repeated and invalid
-    fractions."""
-    n_questions = sum(ep.length for ep in episodes)
-    by_task = {}
-    for ep in episodes:
-        by_task.setdefault(ep.group_id, []).append(ep.success)
-    success, success_se = mean_se([ep.success for ep in episodes])
-    return {
-        "success": success,
-        "success_se": success_se,
-        f"pass_at_{k}": float(np.mean([any(v) for v in by_task.values()])),
-        "return": float(np.mean([ep.env_return for ep in episodes])),
-        "episode_length": float(np.mean([ep.length for ep in episodes])),
-        "num_questions": float(np.mean([ep.length for ep in episodes])),
-        "repeated_frac": float(sum(sum(ep.repeated) for ep in episodes) / max(n_questions, 1)),
-        "invalid_frac": float(sum(sum(ep.invalid) for ep in episodes) / max(n_questions, 1)),
-    }
-
-
-def episode_record(ep, tag):
-    turns = [{"question": a, "answer": o,
-              "belief_after": ep.beliefs[t + 1] if len(ep.beliefs) > t + 1 else None}
-             for t, (a, o) in enumerate(zip(ep.actions, ep.observations))]
-    return {"tag": tag, "target": ep.target, "won": ep.success, "turns": turns,
-            "b0": ep.beliefs[0] if ep.beliefs else None}
-
-
-def evaluate(model, tok, new_env, tasks, args, max_turns, prefix, belief_message, best_of_n=0):
-    """Sampled (k per task, at --eval-temperature), greedy (1 per task) and optionally best-of-n
-    games. The sampled games draw common random numbers keyed by (seed, stream, game), the same in
-    every evaluation of the run (and in every run of the seed), so `write_summary` pairs the
-    first and the last evaluation game by game (<prefix>success_episodes)."""
-    out, records = {}, []
-    tasks_k = [t for t in tasks for _ in range(args.eval_k)]
-    groups_k = [g for g in range(len(tasks)) for _ in range(args.eval_k)]
+def evaluate(model, tok, new_env, tasks, args, prefix, belief_message, best_of_n=0):
+    """Sampled (k per task), greedy and best-of-n success. The sampled games draw common random
+    numbers keyed by (seed, stream, game): `write_summary` pairs the first and last evaluation."""
+    k, max_turns = args.eval_k, args.eval_max_turns or args.max_turns
     stream = 0 if prefix == "eval/" else 1  # the test secrets; the out-of-distribution ones
-
-    def keys(stream, n):
-        return [(args.seed, stream, i) for i in range(n)]
-    # the belief curve is read off the first of the k games per target: 1/k of the elicitation cost
-    episodes = rollout(model, tok, new_env, tasks_k, groups_k, args, args.eval_temperature,
-                       belief_message, max_turns=max_turns,
-                       belief_games=range(0, len(tasks_k), args.eval_k),
-                       noise_keys=keys(stream, len(tasks_k)))
-    for key, v in episode_stats(episodes, args.eval_k).items():
-        out[f"{prefix}{key}"] = v
-    out[f"{prefix}success_episodes"] = [float(ep.success) for ep in episodes]
-    out[f"{prefix}belief_curve"] = belief_curve(episodes, max_turns)
-    logged = episodes[:: args.eval_k][: args.num_logged_episodes]  # one per target, with beliefs
-    records += [episode_record(ep, f"{prefix}sampled") for ep in logged]
-    greedy = rollout(model, tok, new_env, tasks, list(range(len(tasks))), args, 1.0,
-                     belief_message, greedy=True, max_turns=max_turns, with_beliefs=False)
-    out[f"{prefix}success_greedy"], out[f"{prefix}success_greedy_se"] = mean_se(
-        [ep.success for ep in greedy])
-    if best_of_n > 0:
-        best = rollout(model, tok, new_env, tasks, list(range(len(tasks))), args,
-                       args.eval_temperature, belief_message, best_of_n=best_of_n,
-                       max_turns=max_turns, noise_keys=keys(stream + 2, len(tasks)))
-        out[f"{prefix}bon{best_of_n}_success"] = float(np.mean([ep.success for ep in best]))
-        out[f"{prefix}bon{best_of_n}_num_questions"] = float(np.mean([ep.length for ep in best]))
-        records += [episode_record(ep, f"{prefix}best_of_{best_of_n}") for ep in best[:2]]
-    return out, records
+    keys = [(args.seed, stream, i) for i in range(len(tasks) * k)]
+    sampled = rollout(model, tok, new_env, [t for t in tasks for _ in range(k)],
+                      [i // k for i in range(len(keys))], args, args.eval_temperature,
+                      belief_message, max_turns=max_turns, with_beliefs=False, noise_keys=keys)
+    greedy = rollout(model, tok, new_env, tasks, range(len(tasks)), args, 1.0, belief_message,
+                     greedy=True, max_turns=max_turns, with_beliefs=False)
+    row = {prefix + "success_episodes": [float(ep.success) for ep in sampled]}
+    for name, episodes in ((prefix + "success", sampled), (prefix + "success_greedy", greedy)):
+        row[name], row[name + "_se"] = mean_se([ep.success for ep in episodes])
+    shown = [("sampled", ep) for j in range(k) for ep in sampled[j::k]][: args.num_logged_episodes]
+    if best_of_n:
+        best = best_of_n_rollout(model, tok, new_env, tasks, args, belief_message, best_of_n,
+                                 max_turns, [(args.seed, stream + 2, i) for i in range(len(tasks))])
+        name = f"{prefix}bon{best_of_n}_success"
+        row[name], row[name + "_se"] = mean_se([ep.success for ep in best])
+        shown += [(f"best_of_{best_of_n}", ep) for ep in best[:2]]
+    records = [{"tag": prefix + tag, **{key: v for key, v in vars(ep).items() if key not in
+                ("prompts", "completions")}} for tag, ep in shown]  # without the token ids
+    return row, records
 
 
-def iteration_row(episodes, samples, ustats, cstats, seconds):
-    """One iteration's metrics: training rollouts, losses, credit statistics, seconds per phase."""
-    n_turns = sum(ep.length for ep in episodes)
-    row = {
-        "charts/success": float(np.mean([ep.success for ep in episodes])),
-        "charts/return": float(np.mean([ep.env_return for ep in episodes])),
-        "charts/episode_length": float(np.mean([ep.length for ep in episodes])),
-        "charts/invalid_rate": float(sum(sum(ep.invalid) for ep in episodes) / max(n_turns, 1)),
-        "charts/repeated_rate": float(sum(sum(ep.repeated) for ep in episodes) / max(n_turns, 1)),
-        **{f"losses/{k}": v for k, v in ustats.items()},
-        **cstats,
-        **{f"perf/{k}_seconds": v for k, v in seconds.items()},
-        "perf/tokens_per_second": sum(len(x.completion) for x in samples) / max(seconds["rollout"],
-                                                                                 1e-9),
-        "perf/samples": len(samples),
-    }
-    if torch.cuda.is_available():
-        row["perf/peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
-    return row
-
-
-def start_run(args, extra):
-    """The run directory, its config.json (every Args field as resolved, and `extra`), a Logger.
-    With --resume: the run's own directory, its config.json as written when it started."""
-    if args.resume:
-        print(f"run dir: {args.resume} (resumed)")
-        return Path(args.resume), Logger(Path(args.resume), args.track)
-    name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_dir = Path(args.output_dir) / name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    print(f"run dir: {run_dir}")
-    (run_dir / "config.json").write_text(json.dumps({**asdict(args), **extra}, indent=2))
-    return run_dir, Logger(run_dir, args.track)
+def mean_se(values) -> tuple[float, float]:
+    """Mean and standard error (scipy.stats.sem: sample std / sqrt(n); 0 for fewer than two values)
+    of per-episode values; for success flags the rate p and about sqrt(p (1 - p) / n)."""
+    x = np.asarray(values, dtype=np.float64)
+    if x.size < 2:
+        return (float(x.mean()) if x.size else 0.0), 0.0
+    return float(x.mean()), float(scipy.stats.sem(x))
 
 
 def eval_line(it, ev):
@@ -932,13 +831,124 @@ def write_summary(run_dir, args, wall_seconds, first_eval, last_eval, metric, **
     return summary
 
 
-def mean_se(values) -> tuple[float, float]:
-    """Mean and standard error (scipy.stats.sem: sample std / sqrt(n); 0 for fewer than two values)
-    of per-episode values; for success flags the rate p and about sqrt(p (1 - p) / n)."""
-    x = np.asarray(values, dtype=np.float64)
-    if x.size < 2:
-        return (float(x.mean()) if x.size else 0.0), 0.0
-    return float(x.mean()), float(scipy.stats.sem(x))
+# ----------------------------------------------------------------------------------------------
+# 6. Logging, checkpoints and the main loop
+# ----------------------------------------------------------------------------------------------
+def env_factory(env_id, kw, max_turns, what):
+    """`new_env` of `env_id` with options `kw`, and a probe instance; user errors (an unknown env
+    id, bad options, no hidden target) -> UserError naming `what` ("env" or "--eval-env-id")."""
+    import envs
+    from common.models import UserError
+
+    def new_env():
+        env = envs.make(env_id, **kw)
+        env.max_turns = max_turns or env.max_turns
+        return env
+
+    try:
+        probe = new_env()
+        probe.reset(probe.task_ids("test")[0])
+    except ValueError as e:
+        raise UserError(f"{what} {env_id!r}: {e}") from None
+    if not getattr(probe, "target", None):
+        raise UserError(f"{what} {env_id!r} has no hidden target (env.target); ΔBelief needs one "
+                        "(twenty_questions, guess_my_city)")
+    return new_env, probe
+
+
+def make_env(args):
+    """`new_env`, a probe, the policy's defaults (`policy_defaults`) and the env options: a tiny
+    policy's recipe's (the prompts it was trained on), --history over them."""
+    from common.models import policy_defaults
+
+    real, tiny = PRESETS["real"], PRESETS["tiny"]
+    defaults = policy_defaults(args.model_name, args.env_id, args.tiny_preset,
+                               learning_rate=real["learning_rate"],
+                               max_new_tokens=real["max_new_tokens"],
+                               tiny_learning_rate=tiny["learning_rate"])
+    kw = dict(defaults.env_kwargs)
+    if args.history is not None:
+        kw["history"] = args.history
+    return (*env_factory(args.env_id, kw, args.max_turns, "env"), defaults, kw)
+
+
+def make_ood_env(args, env_kwargs, is_tiny):
+    """--eval-env-id's (env factory, test tasks, belief message). The policy's prompt format
+    (instructions, numbered, --history) carries over; the content options stay the env's own."""
+    kw = {k: env_kwargs[k] for k in ("instructions", "numbered") if k in env_kwargs}
+    if args.history is not None:
+        kw["history"] = args.history
+    new_env, probe = env_factory(args.eval_env_id, kw, args.eval_max_turns or args.max_turns,
+                                 "--eval-env-id")
+    return (new_env, probe.task_ids("test")[: args.eval_num_tasks or None],
+            belief_message_for(args.belief_template, probe, is_tiny))
+
+
+def resolve_args(args, defaults):
+    """The options left at None, from PRESETS and the policy's `defaults`: the values the run uses
+    and config.json records."""
+    temperature = defaults.temperature if args.temperature is None else args.temperature
+    return fill_defaults(args, dict(
+        learning_rate=defaults.learning_rate, max_new_tokens=defaults.max_new_tokens,
+        temperature=temperature, eval_temperature=temperature,
+        micro_batch_size=PRESETS["tiny" if defaults.is_tiny else "real"]["micro_batch_size"]))
+
+
+def check_args(args):
+    """User errors in the (resolved) arguments -> UserError, one line that says what to do."""
+    from common.models import UserError
+
+    if args.group_size < 2:
+        raise UserError("--group-size must be >= 2 (advantages compare the games of a secret)")
+    if min(args.tasks_per_iteration, args.micro_batch_size, args.eval_k) < 1:
+        raise UserError("--tasks-per-iteration, --micro-batch-size and --eval-k must be >= 1")
+    if args.num_iterations < 0:
+        raise UserError("--num-iterations must be >= 0")
+    if args.history is not None and args.history < 0:
+        raise UserError(f"--history must be >= 0 (or None), got {args.history}")
+    if args.belief_template != "auto" and "{target}" not in args.belief_template:
+        raise UserError("--belief-template must contain '{target}', e.g. \"Is it '{target}'?\"")
+
+
+def fill_defaults(args, values):
+    """`args` with each option left at None set from `values` (PRESETS, the policy's defaults)."""
+    return dataclasses.replace(args, **{k: v for k, v in values.items()
+                                        if getattr(args, k) is None})
+
+
+def seed_everything(seed):
+    """Seeds python, numpy and torch; returns the numpy generator of the run's tasks and batches."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    return np.random.default_rng(seed)
+
+
+def resumed_args(args):
+    """--resume RUN_DIR: the arguments that run started with (its config.json), to go on with it."""
+    from common.models import UserError
+
+    run_dir = Path(args.resume)
+    if not (run_dir / "checkpoint.pt").is_file():
+        raise UserError(f"--resume {run_dir}: no checkpoint.pt there (a run writes one every "
+                        "--checkpoint-every iterations); pass a run that reached its first one")
+    saved = json.loads((run_dir / "config.json").read_text())
+    names = {f.name for f in dataclasses.fields(args)} - {"resume"}
+    return dataclasses.replace(args, **{k: v for k, v in saved.items() if k in names})
+
+
+def start_run(args, extra):
+    """The run directory, its config.json (every Args field as resolved, and `extra`), a Logger.
+    With --resume: the run's own directory, its config.json as written when it started."""
+    if args.resume:
+        print(f"run dir: {args.resume} (resumed)")
+        return Path(args.resume), Logger(Path(args.resume), args.track)
+    name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_dir = Path(args.output_dir) / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    print(f"run dir: {run_dir}")
+    (run_dir / "config.json").write_text(json.dumps({**asdict(args), **extra}, indent=2))
+    return run_dir, Logger(run_dir, args.track)
 
 
 class Logger:
@@ -974,25 +984,6 @@ class Logger:
 
 def save_adapter(model, run_dir: Path):
     model.save_pretrained(str(run_dir / "adapter"))
-
-
-def resumed_args(args):
-    """--resume RUN_DIR: the arguments that run started with (its config.json), to go on with it."""
-    from common.models import UserError
-
-    run_dir = Path(args.resume)
-    if not (run_dir / "checkpoint.pt").is_file():
-        raise UserError(f"--resume {run_dir}: no checkpoint.pt there (a run writes one every "
-                        "--checkpoint-every iterations); pass a run that reached its first one")
-    saved = json.loads((run_dir / "config.json").read_text())
-    names = {f.name for f in dataclasses.fields(args)} - {"resume"}
-    return dataclasses.replace(args, **{k: v for k, v in saved.items() if k in names})
-
-
-def fill_defaults(args, values):
-    """`args` with each option left at None set from `values` (PRESETS, the policy's defaults)."""
-    return dataclasses.replace(args, **{k: v for k, v in values.items()
-                                        if getattr(args, k) is None})
 
 
 def save_checkpoint(run_dir: Path, it, model, optimizers, rng, evals, extra=None):
@@ -1034,114 +1025,6 @@ def load_checkpoint(run_dir: Path, model, optimizers, rng):
     return ck["iteration"], ck["evals"], ck["extra"]
 
 
-# ----------------------------------------------------------------------------------------------
-# 6. Main loop
-# ----------------------------------------------------------------------------------------------
-def env_factory(env_id, kw, max_turns, what):
-    """The env factory `new_env` of `env_id` with options `kw` and one probe instance; user errors
-    -> UserError naming the env `what` ("env", or "--eval-env-id" for the out-of-distribution
-    one)."""
-    import envs
-    from common.models import UserError
-
-    if env_id not in envs.available():
-        raise UserError(f"{what} {env_id!r} is not available in this checkout; available env ids: "
-                        f"{', '.join(envs.available()) or 'none'}")
-
-    def new_env():
-        env = envs.make(env_id, **kw)
-        if max_turns:
-            env.max_turns = max_turns
-        return env
-
-    try:
-        probe = new_env()
-        probe.reset(probe.task_ids("test")[0])
-    except ValueError as e:
-        raise UserError(f"{what} {env_id!r}: {e}") from None
-    if not getattr(probe, "target", None):
-        raise UserError(f"{what} {env_id!r} has no hidden target (env.target); ΔBelief needs one "
-                        "(twenty_questions, guess_my_city)")
-    return new_env, probe
-
-
-def make_env(args):
-    """The env factory `new_env` (user errors -> UserError), one probe instance, the policy's
-    model-dependent defaults (`policy_defaults`) and the env options."""
-    from common.models import policy_defaults
-
-    # a tiny policy was trained on prompts rendered with its recipe's env options: use the same ones
-    real = PRESETS["real"]
-    defaults = policy_defaults(args.model_name, args.env_id, args.tiny_preset,
-                               learning_rate=real["learning_rate"],
-                               max_new_tokens=real["max_new_tokens"],
-                               tiny_learning_rate=PRESETS["tiny"]["learning_rate"])
-    kw = dict(defaults.env_kwargs)
-    if args.history is not None:
-        kw["history"] = args.history
-    new_env, probe = env_factory(args.env_id, kw, args.max_turns, "env")
-    return new_env, probe, defaults, kw
-
-
-def make_ood_env(args, env_kwargs, max_turns, is_tiny):
-    """The out-of-distribution evaluation of `--eval-env-id`: (env factory, test tasks, belief
-    message), or None without one. The policy's prompt format carries over (a tiny 20Q policy reads
-    no instruction text and an unnumbered history); the env's content options (e.g.
-    show_candidates) stay the OOD env's own."""
-    if not args.eval_env_id or args.eval_env_id == args.env_id:
-        return None
-    ood_kwargs = {k: env_kwargs[k] for k in ("instructions", "numbered") if k in env_kwargs}
-    if args.history is not None:
-        ood_kwargs["history"] = args.history
-    new_ood_env, ood_probe = env_factory(args.eval_env_id, ood_kwargs, max_turns, "--eval-env-id")
-    ood_tasks = ood_probe.task_ids("test")
-    return (new_ood_env, ood_tasks[: args.eval_num_tasks] if args.eval_num_tasks else ood_tasks,
-            belief_message_for(args.belief_template, ood_probe, is_tiny))
-
-
-def resolve_args(args, defaults):
-    """`args` with every option left at None filled in (PRESETS through `defaults`, the sampling
-    temperature of the policy): the values the run uses and config.json records."""
-    def given(value, default):
-        return default if value is None else value
-
-    temperature = given(args.temperature, defaults.temperature)  # tiny 20Q: 1.5 (RL_TEMPERATURE)
-    return dataclasses.replace(
-        args, learning_rate=given(args.learning_rate, defaults.learning_rate),
-        max_new_tokens=given(args.max_new_tokens, defaults.max_new_tokens),
-        temperature=temperature, eval_temperature=given(args.eval_temperature, temperature),
-        micro_batch_size=given(args.micro_batch_size,
-                               PRESETS["tiny" if defaults.is_tiny else "real"]["micro_batch_size"]))
-
-
-def check_args(args):
-    """User errors in the (resolved) arguments -> UserError, one line that says what to do."""
-    from common.models import UserError
-
-    rules = [
-        (args.group_size >= 2,
-         "--group-size must be >= 2 (advantages compare the trajectories of a task)"),
-        (min(args.tasks_per_iteration, args.micro_batch_size, args.eval_k) >= 1,
-         "--tasks-per-iteration, --micro-batch-size and --eval-k must be >= 1"),
-        (args.num_iterations >= 0, "--num-iterations must be >= 0"),
-        (args.history is None or args.history >= 0,
-         f"--history must be >= 0 (or None), got {args.history}"),
-        (args.belief_template == "auto" or "{target}" in args.belief_template,
-         "--belief-template must contain '{target}', e.g. \"Is it '{target}'?\""),
-    ]
-    for ok, message in rules:
-        if not ok:
-            raise UserError(message)
-
-
-def seed_everything(seed):
-    """Seeds python, numpy and torch; returns the numpy generator of the run's tasks and batches."""
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    return np.random.default_rng(seed)
-
-
 def main(args: Args):
     from common.models import load_policy
 
@@ -1154,34 +1037,30 @@ def main(args: Args):
     new_env, probe, defaults, env_kwargs = make_env(args)
     args = resolve_args(args, defaults)
     check_args(args)
-    eval_max_turns = args.eval_max_turns or args.max_turns
-    ood = make_ood_env(args, env_kwargs, eval_max_turns, defaults.is_tiny)
     belief_message = belief_message_for(args.belief_template, probe, defaults.is_tiny)
     train_tasks = list(probe.task_ids("train"))
     test_tasks = list(probe.task_ids("test"))[: args.eval_num_tasks or None]  # 0: all of them
+    evals = {"eval/": (new_env, test_tasks, belief_message)}
+    if args.eval_env_id and args.eval_env_id != args.env_id:  # out-of-distribution evaluation
+        evals["eval/ood_"] = make_ood_env(args, env_kwargs, defaults.is_tiny)
 
     model, tok = load_policy(args.model_name, env_id=args.env_id, tiny_preset=args.tiny_preset,
                              load_in_4bit=args.load_in_4bit, lora_r=args.lora_r,
                              lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                              activation_checkpointing=args.activation_checkpointing)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, betas=tuple(args.adam_betas),
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                  lr=args.learning_rate, betas=tuple(args.adam_betas),
                                   weight_decay=args.weight_decay)
-    shown = (belief_message if isinstance(belief_message, str)
-             else f"env guess_question: {belief_message('<target>')}")
+    shown = belief_message if isinstance(belief_message, str) else belief_message("{target}")
     run_dir, logger = start_run(args, {"belief_message": shown, "env_kwargs": env_kwargs})
 
-    def run_eval(it, final=False):
-        t0 = time.time()
-        best_of_n = args.eval_best_of_n if (it == 0 or final) else 0  # before and after training
-        row, records = evaluate(model, tok, new_env, test_tasks, args, eval_max_turns, "eval/",
-                                belief_message, best_of_n)
-        if ood is not None:
-            new_ood_env, ood_tasks, ood_message = ood
-            ood_row, ood_records = evaluate(model, tok, new_ood_env, ood_tasks, args,
-                                            eval_max_turns, "eval/ood_", ood_message, best_of_n)
-            row.update(ood_row)
-            records += ood_records[:2]
+    def run_eval(it):  # best-of-n before and after training only
+        t0, row, records = time.time(), {}, []
+        for prefix, (env_fn, tasks, message) in evals.items():
+            ev, recs = evaluate(model, tok, env_fn, tasks, args, prefix, message,
+                                args.eval_best_of_n if it in (0, args.num_iterations) else 0)
+            row.update(ev)
+            records += recs
         row["perf/eval_seconds"] = time.time() - t0
         logger.log_samples(it, records)
         tqdm.write(eval_line(it, row))
@@ -1206,19 +1085,25 @@ def main(args: Args):
         episodes = rollout(model, tok, new_env, tasks, groups, args, args.temperature,
                            belief_message, with_beliefs=args.reward_mode == "delta")
         seconds = {"rollout": time.time() - t0}
-
         t1 = time.time()
         samples, cstats = compute_advantages(episodes, args)  # the beliefs: in the episodes
         seconds["credit"] = time.time() - t1
-
         t2 = time.time()
         ustats = update(model, tok, optimizer, samples, args, rng)
         seconds["update"] = time.time() - t2
         seconds["iteration"] = time.time() - t0
-
-        row = iteration_row(episodes, samples, ustats, cstats, seconds)
+        row = {"charts/success": float(np.mean([ep.success for ep in episodes])),
+               "charts/episode_length": float(np.mean([ep.length for ep in episodes])),
+               "charts/invalid_rate": sum(sum(ep.invalid) for ep in episodes) / len(samples),
+               "charts/repeated_rate": sum(sum(ep.repeated) for ep in episodes) / len(samples),
+               **{f"losses/{k}": v for k, v in ustats.items()}, **cstats,
+               **{f"perf/{k}_seconds": v for k, v in seconds.items()}, "perf/samples": len(samples),
+               "perf/tokens_per_second": sum(len(x.completion) for x in samples)
+               / max(seconds["rollout"], 1e-9)}
+        if torch.cuda.is_available():
+            row["perf/peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
         if args.eval_every and (it % args.eval_every == 0 or it == args.num_iterations):
-            last_eval = run_eval(it, final=it == args.num_iterations)
+            last_eval = run_eval(it)
             row.update(last_eval)
         logger.log(it, row)
         if args.checkpoint_every and it % args.checkpoint_every == 0:
@@ -1229,7 +1114,7 @@ def main(args: Args):
                         reward=f"{row['charts/turn_reward_mean']:.2f}",
                         loss=f"{row['losses/policy_loss']:.3f}")
     if args.num_iterations and not args.eval_every:
-        last_eval = run_eval(args.num_iterations, final=True)
+        last_eval = run_eval(args.num_iterations)
         logger.log(args.num_iterations, last_eval)
     if args.save_model:
         save_adapter(model, run_dir)

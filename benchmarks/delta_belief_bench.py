@@ -5,9 +5,10 @@ plot to docs/.
     python benchmarks/delta_belief_bench.py --parallel 1 --no-ood --num-iterations 24
     python benchmarks/delta_belief_bench.py --report-only         # rebuild table and plot from the runs
 
-Every run is `delta_belief.py` as a subprocess with one torch thread; the same seeds, budget and
-evaluation for both reward modes (only `--reward-mode` differs); budget flags left unset here are
-delta_belief.py's defaults. Guess My City is evaluated as the out-of-distribution column when that env
+Every run is `delta_belief.py` as a subprocess with one torch thread, through benchmarks/delta_belief_games.py
+(the same run with its evaluation games measured: pass@k, questions, repeated and invalid shares); the same
+seeds, budget and evaluation for both reward modes (only `--reward-mode` differs); budget flags left unset here
+are delta_belief.py's defaults. Guess My City is evaluated as the out-of-distribution column when that env
 is present in the checkout (`--no-ood` skips it). The report gives, per seed, the sampled test success
 before and after training with its standard error, whether the learning target holds (ΔBelief-RL: mean
 change >= +0.08 with every seed above 0; StarPO: mean change above 0), and whether the paper's ordering
@@ -28,6 +29,8 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+from learning import learning_summary  # noqa: E402  (the change of the main metric and its SE)
 
 NAMES = {"delta": "ΔBelief-RL", "starpo": "StarPO"}
 TARGET = 0.08  # ΔBelief-RL's mean change of sampled test success that counts as learning
@@ -37,9 +40,9 @@ METRICS = [("success", "success"), ("pass_at_k", "pass@k"), ("success_greedy", "
 
 
 def run_one(mode, seed, args, out_dir):
-    cmd = [sys.executable, str(REPO / "delta_belief.py"), "--reward-mode", mode, "--seed", str(seed),
-           "--exp-name", f"bench_{mode}", "--output-dir", str(out_dir), "--torch-threads", "1",
-           "--checkpoint-every", "0", "--model-name", args.model_name]
+    cmd = [sys.executable, str(REPO / "benchmarks" / "delta_belief_games.py"), "--reward-mode", mode,
+           "--seed", str(seed), "--exp-name", f"bench_{mode}", "--output-dir", str(out_dir),
+           "--torch-threads", "1", "--checkpoint-every", "0", "--model-name", args.model_name]
     for key in BUDGET:
         if getattr(args, key) is not None:
             cmd += ["--" + key.replace("_", "-"), str(getattr(args, key))]
@@ -58,6 +61,9 @@ def load_runs(out_dir):
         cfg = json.loads((d / "config.json").read_text())
         rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()]
         summary = json.loads((d / "summary.json").read_text())
+        if "learning" not in summary:  # summaries of later runs leave it to benchmarks/learning.py
+            summary["learning"] = learning_summary(summary["first_eval"], summary["last_eval"],
+                                                   "eval/success")
         runs[(cfg["reward_mode"], cfg["seed"])] = (cfg, rows, summary)
     return runs
 

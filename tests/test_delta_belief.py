@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.conftest import REPO, assert_adapter_trained, assert_run_outputs, read_metrics
+from tests.conftest import REPO, assert_adapter_trained, assert_run_outputs, load_benchmark, read_metrics
 
 import delta_belief as db
 
@@ -230,7 +230,7 @@ def test_token_logprobs_sorted_micro_batches_keep_each_samples_own_logprobs(micr
     samples = [db.Sample(torch.randint(5, 60, (p,), generator=g).tolist(),
                          torch.randint(5, 60, (c,), generator=g).tolist(), 0, i, 0)
                for i, (p, c) in enumerate(lengths)]
-    got = db.token_logprobs(model, tok, samples, "default", micro_batch_size=3)
+    got = db.token_logprobs(model, tok, samples, micro_batch_size=3)
     for x, lp in zip(samples, got):
         full = torch.tensor([x.prompt + x.completion])
         with torch.no_grad():
@@ -239,9 +239,9 @@ def test_token_logprobs_sorted_micro_batches_keep_each_samples_own_logprobs(micr
         assert lp.tolist() == pytest.approx(want, abs=1e-4), (len(x.prompt), len(x.completion))
 
 
-def test_beliefs_on_some_games_play_the_same_games(micro_policy):
-    """The evaluation reads beliefs on the first of its k games per secret only: reading a belief samples
-    nothing, so the games played (and every success) are those of a rollout that reads them all."""
+def test_reading_beliefs_plays_the_same_games(micro_policy):
+    """The evaluation plays its games without beliefs, benchmarks/delta_belief_games.py reads them on the
+    same games: reading a belief samples nothing, so the games played (and every success) are the same."""
     import torch
 
     import envs
@@ -251,19 +251,41 @@ def test_beliefs_on_some_games_play_the_same_games(micro_policy):
     tasks = [t for t in envs.make("twenty_questions").task_ids("test")[:3] for _ in range(2)]
     new_env = lambda: envs.make("twenty_questions")  # noqa: E731
     played = {}
-    for games in (None, [0, 2, 4]):
+    for with_beliefs in (True, False):
         torch.manual_seed(0)
-        played[games is None] = db.rollout(model, tok, new_env, tasks, [0, 0, 1, 1, 2, 2], args, 1.5,
-                                           "Is it '{target}'?", max_turns=3, belief_games=games)
-    every, some = played[True], played[False]
-    assert [ep.completions for ep in every] == [ep.completions for ep in some]
-    assert [ep.success for ep in every] == [ep.success for ep in some]
-    for i, (a, b) in enumerate(zip(every, some)):
-        assert len(a.beliefs) == a.length + 1  # b_0 .. b_T
-        if i % 2 == 0:  # a scored game: the same beliefs as in the full rollout
-            np.testing.assert_allclose(b.beliefs, a.beliefs, atol=1e-4)
-        else:
-            assert b.beliefs == []
+        played[with_beliefs] = db.rollout(model, tok, new_env, tasks, [0, 0, 1, 1, 2, 2], args, 1.5,
+                                          "Is it '{target}'?", max_turns=3, with_beliefs=with_beliefs)
+    read, unread = played[True], played[False]
+    assert [ep.completions for ep in read] == [ep.completions for ep in unread]
+    assert [ep.success for ep in read] == [ep.success for ep in unread]
+    for a, b in zip(read, unread):
+        assert len(a.beliefs) == a.length + 1 and b.beliefs == []  # b_0 .. b_T, or none
+        assert all(math.isfinite(x) for x in a.beliefs[:-1]) and (a.success != math.isfinite(a.beliefs[-1]))
+
+
+# ---------------------------------------------------------------------------------------------
+# the evaluation games measured (benchmarks/delta_belief_games.py)
+# ---------------------------------------------------------------------------------------------
+def _game(group, beliefs, invalid, repeated, won):
+    ep = db.Episode(traj_id=0, group_id=group, task_id=str(group), target="cat", beliefs=beliefs, success=won)
+    ep.actions, ep.invalid, ep.repeated = ["q"] * len(invalid), invalid, repeated
+    return ep
+
+
+def test_game_metrics_hand_computed():
+    # secret 0: A won on question 2 (b after it: nan); B lost after 3, its first question invalid, its third
+    # repeated. secret 1: C lost after 1; D lost after 2, its second question invalid and repeated.
+    nan = float("nan")
+    games = [_game(0, [-4.0, -2.0, nan], [False, False], [False, False], True),
+             _game(0, [-4.0, -3.0, -3.5, -1.0], [True, False, False], [False, False, True], False),
+             _game(1, [-6.0, -5.0], [False], [False], False),
+             _game(1, [-6.0, -6.0, -4.0], [False, True], [False, True], False)]
+    m = load_benchmark("delta_belief_games").game_metrics(games, 2, 5)
+    # pass@2: secret 0 won once, secret 1 never -> 0.5; questions (2 + 3 + 1 + 2) / 4 = 2; of the 8 questions
+    # 2 repeated and 2 invalid. b_t: t=0 (-4, -4, -6, -6) -> -5; t=1 (-2, -3, -5, -6) -> -4; t=2 A's nan and C's
+    # end drop out: (-3.5, -4) -> -3.75; t=3 B only -> -1; t=4, 5: no game -> cut
+    assert m == {"pass_at_2": 0.5, "num_questions": 2.0, "repeated_frac": 0.25, "invalid_frac": 0.25,
+                 "belief_curve": [-5.0, -4.0, -3.75, -1.0]}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -293,12 +315,15 @@ def test_end_to_end_delta(runs):
     for r in train:
         assert math.isfinite(r["credit/delta_belief_mean"]) and math.isfinite(r["losses/policy_loss"])
     ev = summary["last_eval"]
-    for key in ("eval/success", "eval/success_greedy", "eval/pass_at_2", "eval/num_questions", "eval/repeated_frac",
-                "eval/bon2_success"):
-        assert 0.0 <= ev[key] <= (3 if key == "eval/num_questions" else 1), key
-    assert ev["eval/belief_curve"][0] < 0
-    samples = (run_dir / "samples.jsonl").read_text().splitlines()
-    assert samples and "turns" in json.loads(samples[0])
+    for key in ("eval/success", "eval/success_greedy", "eval/bon2_success"):
+        assert 0.0 <= ev[key] <= 1 and 0.0 <= ev[key + "_se"] <= 1, key
+    assert len(ev["eval/success_episodes"]) == 2 * 2  # 2 test secrets x --eval-k 2
+    records = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    first = [r for r in records if r["iteration"] == 0]
+    assert [r["tag"] for r in first] == ["eval/sampled"] * 4 + ["eval/best_of_2"] * 2
+    assert first[0]["task_id"] != first[1]["task_id"]  # one game of every secret first
+    best = first[-1]  # best-of-n reads a belief before the first question and after every other one
+    assert len(best["beliefs"]) == len(best["actions"]) + 1 and best["beliefs"][0] < 0
 
 
 def test_end_to_end_starpo(runs):
@@ -317,6 +342,17 @@ def test_end_to_end_out_of_distribution_eval(runs):
     run_dir = runs["ood"].result()
     ev = json.loads((run_dir / "summary.json").read_text())["last_eval"]
     assert 0.0 <= ev["eval/ood_success"] <= 1.0 and 0.0 <= ev["eval/success"] <= 1.0
+
+
+def test_games_measured_in_a_run(method_pool, tmp_path):
+    """benchmarks/delta_belief_games.py: an evaluation-only run (0 iterations) with the out-of-distribution
+    env; every evaluated env gets its game metrics."""
+    run_dir = method_pool("benchmarks/delta_belief_games.py", *E2E["ood"], out=tmp_path / "games").result()
+    ev = json.loads((run_dir / "summary.json").read_text())["last_eval"]
+    for prefix in ("eval/", "eval/ood_"):
+        assert 0.0 <= ev[prefix + "pass_at_2"] <= 1.0 and 1.0 <= ev[prefix + "num_questions"] <= 3.0
+        assert 0.0 <= ev[prefix + "repeated_frac"] <= 1.0 and 0.0 <= ev[prefix + "invalid_frac"] <= 1.0
+        assert ev[prefix + "pass_at_2"] >= ev[prefix + "success"] and ev[prefix + "belief_curve"][0] < 0
 
 
 def test_unknown_eval_env_is_one_clear_line(tiny_cache):
@@ -350,7 +386,7 @@ def test_make_env_returns_the_factory_a_probe_the_defaults_and_the_env_options()
     env = new_env()
     assert env is not probe and env.max_turns == 3 and probe.target and kw["history"] == 2
     assert defaults.is_tiny and defaults.learning_rate == 5e-4  # the tiny learning rate (docs/delta_belief.md)
-    new_ood_env, ood_tasks, _ = db.make_ood_env(args, kw, 3, defaults.is_tiny)
-    assert new_ood_env().max_turns == 3 and len(ood_tasks) == 2
+    new_ood_env, ood_tasks, _ = db.make_ood_env(args, kw, defaults.is_tiny)
+    assert new_ood_env().max_turns == 3 and len(ood_tasks) == 2  # --eval-max-turns 0: --max-turns
     with pytest.raises(UserError, match="--eval-env-id 'sokoban' has no hidden target"):
-        db.make_ood_env(db.Args(tiny_preset="micro", eval_env_id="sokoban"), kw, 3, True)
+        db.make_ood_env(db.Args(tiny_preset="micro", eval_env_id="sokoban", eval_max_turns=3), kw, True)
