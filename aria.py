@@ -25,7 +25,10 @@ Equations -> functions (section 2; the kernel `aria_advantages` takes plain per-
 - §3.5  J(θ) = E[Σ_t log π_θ(a_t|h_t) Ã(h_t, a_t)]                 -> `reinforce_loss`, `update`
 The utterance embeddings (the model-derived signal) come from `embed_utterances` (section 4).
 
-Deviations from the paper and from the official code: docs/aria.md, "Deviations".
+`python aria.py` trains the tiny Bargaining policy in self-play on a CPU (8 iterations of 64 games),
+scored against scripted styles; the paper: an 8B model, 3 iterations of 1,000 games, GPT-4 oracles
+and LLM opponents (docs/aria.md, "Deviations"). Read in order: section 2 (the credit), `rollout`,
+`compute_advantages`, `embed_utterances`, `update`, `evaluate`, `main`.
 
 Example
     python aria.py                                         # tiny Bargaining in self-play, CPU
@@ -81,8 +84,7 @@ class Args:
 
     # model
     model_name: str = "tiny"
-    """'tiny' (the env's tiny local policy), 'smollm2-135m' (SmolLM2-135M-Instruct), a hub id or a
-    local directory"""
+    """'tiny' (the env's tiny policy), 'smollm2-135m', a hub id or a local directory"""
     tiny_preset: str = "default"
     """tiny policy size preset: 'default' or 'micro' (builds in seconds, for tests)"""
     load_in_4bit: Optional[bool] = None
@@ -110,8 +112,7 @@ class Args:
     max_turns: int = 0
     """most turns per single-agent game (0: the env's default; paper: 20 questions)"""
     game_reward: Literal["win", "payoff"] = "payoff"
-    """two-player R: 'payoff' (the player's normalised payoff in [0, 1], as the main metric) or
-    'win' (1 if its payoff beats the other's, the paper's); docs/aria.md, "Defaults" """
+    """two-player R: 'payoff' (normalised, as the main metric) or 'win' (the paper's)"""
     eval_num_tasks: int = 0
     """test tasks per evaluation (0: all; Bargaining: 49 tasks x 2 roles x 4 styles)"""
     eval_k: int = 2
@@ -135,8 +136,7 @@ class Args:
     batch_size: Optional[int] = None
     """steps per optimizer step; None: by game (GAME_PRESETS, the paper's)"""
     micro_batch_size: Optional[int] = None
-    """steps per forward pass (gradient accumulation inside a batch); None: by model (PRESETS: 8
-    on a real model, whose long prompts make big forwards on a CPU)"""
+    """steps per forward pass (gradient accumulation inside a batch); None: by model (PRESETS)"""
     learning_rate: Optional[float] = None
     """Adam learning rate; None: by model (PRESETS; paper: 2e-5)"""
     max_grad_norm: float = 1.0
@@ -158,14 +158,14 @@ class Args:
     fixed_k: int = 0
     """use this k instead of the SplitScore choice (0: automatic)"""
     observation_labels: Literal["auto", "cluster", "exact"] = "auto"
-    """single-agent observations: 'cluster' (with the actions) or 'exact' (by text); auto: by env
-    (OBSERVATION_LABELS)"""
+    """single-agent observations: 'cluster', 'exact' (by text); auto: by env (OBSERVATION_LABELS)"""
 
 
 # The options left at None (or "auto") depend on the model or the game; `resolve_args` fills them,
-# in this one place. "real": any pretrained model (the paper's lr); "tiny": the tiny policy's recipe
-# supplies its prompt options and token budget (common.models.policy_defaults), lr as measured:
-# 2.5e-4, half the other scripts' tiny rate, clears 2 SEs on more tuning seeds (docs/aria.md).
+# in this one place. "real": any pretrained model (the paper's lr; micro-batches of 8 keep a real
+# model's long prompts small on a CPU); "tiny": the tiny policy's recipe supplies its prompt options
+# and token budget (common.models.policy_defaults), lr as measured: 2.5e-4, half the other scripts'
+# tiny rate, clears 2 SEs on more tuning seeds (docs/aria.md).
 PRESETS = {"real": dict(learning_rate=2e-5, max_new_tokens=128, micro_batch_size=8),
            "tiny": dict(learning_rate=2.5e-4, micro_batch_size=32)}
 # Two-player self-play: 8 iterations of 64 games raise the tiny Bargaining policy's payoff share
@@ -370,12 +370,7 @@ class Episode:
     outcome: dict = field(default_factory=dict)  # player -> R in [0, 1]
     success: bool = False  # single agent: solved; two-player: a deal was made
     env_return: float = 0.0  # single agent: env reward; two-player: mean payoff
-    payoffs: dict = field(default_factory=dict)
     share: float = 0.0  # vs a scripted style: the learner's final deal position in [0, 1] (0: none)
-
-    @property
-    def length(self) -> int:
-        return len(self.steps)
 
 
 @dataclass
@@ -462,15 +457,10 @@ def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False, 
 
 
 def rollout(model, tok, new_env, task_ids, args, temperature, greedy=False, noise_keys=None):
-    """Games of a batch of tasks, each an `envs.Seated` from `new_env()`, all stepped together (one
-    generate per turn or round of messages).
-
-    One policy seat (an env against its oracle, or a two-player game against a scripted style): the
-    utterances are the parsed action and the observation of every turn; R = 1 if solved, else 0.
-    Self-play (the policy in both seats of a two-player game): every message is an utterance and a
-    training step of its player; R per player is the win indicator (`--game-reward win`) or the
-    normalised payoff (`payoff`). `noise_keys` (evaluation): one key per game; its t-th message
-    samples with the common random numbers of (*key, t) (`CommonNoise`)."""
+    """Games of a batch of tasks (`new_env()`: an `envs.Seated`), stepped together, one generate per
+    turn. One policy seat: each turn's action and observation are utterances, R = 1 if solved.
+    Self-play: each message is an utterance and a step of its player, whose R is the win indicator
+    (`--game-reward win`) or the normalised payoff. `noise_keys`: one per game (`CommonNoise`)."""
     from envs import extract_action
 
     games = [new_env().reset(task) for task in task_ids]
@@ -482,21 +472,19 @@ def rollout(model, tok, new_env, task_ids, args, temperature, greedy=False, nois
         active = [i for i, g in enumerate(games) if not g.done]
         if not active:
             break
-        players = [games[i].current_player if selfplay else "agent" for i in active]
         prompts = [encode(tok, render_prompt(tok, games[i].observe(games[i].current_player)))
                    for i in active]
         keys = None if noise_keys is None else [(*noise_keys[i], len(episodes[i].steps))
                                                 for i in active]
         completions = generate(model, tok, prompts, temperature, args.max_new_tokens,
                                greedy=greedy, noise_keys=keys)
-        for k, i in enumerate(active):
-            text = tok.decode(completions[k], skip_special_tokens=True)
-            step = games[i].step(completion_text(tok, completions[k]))
-            ep = episodes[i]
-            ep.steps.append({"player": players[k], "pos": len(ep.utterances), "prompt": prompts[k],
-                             "completion": completions[k],
+        for i, prompt, completion in zip(active, prompts, completions):
+            ep, player = episodes[i], games[i].current_player if selfplay else "agent"
+            step = games[i].step(completion_text(tok, completion))
+            ep.steps.append({"player": player, "pos": len(ep.utterances), "prompt": prompt,
+                             "completion": completion,
                              "invalid": bool(step.info.get("invalid", False))})
-            ep.utterances.append(extract_action(text))
+            ep.utterances.append(extract_action(tok.decode(completion, skip_special_tokens=True)))
             ep.kinds.append("action")
             if not selfplay:
                 ep.utterances.append(str(step.observation))
@@ -506,30 +494,20 @@ def rollout(model, tok, new_env, task_ids, args, temperature, greedy=False, nois
                     ep.success = bool(step.info.get("success", False))
                     ep.share = float(step.info.get("progress", ep.success))
     for game, ep in zip(games, episodes):
-        env = game.env
         if not selfplay:
             ep.outcome = {"agent": float(ep.success)}
             continue
-        pay = env.payoffs()
-        ep.payoffs = {p: float(v) for p, v in pay.items()}
-        ep.success = env.deal_round is not None
-        ep.env_return = float(np.mean(list(pay.values())))
-        a, b = env.players
-        for p in env.players:
-            q = b if p == a else a
-            if args.game_reward == "win":
-                ep.outcome[p] = float(pay[p] > pay[q] + 1e-9)
-            else:
-                ep.outcome[p] = float(min(1.0, max(0.0, env.progress(p))))
+        env, pay = game.env, game.env.payoffs()
+        ep.success, ep.env_return = env.deal_round is not None, float(np.mean(list(pay.values())))
+        for p, q in zip(env.players, env.players[::-1]):
+            ep.outcome[p] = (float(pay[p] > pay[q] + 1e-9) if args.game_reward == "win"
+                             else float(min(1.0, max(0.0, env.progress(p)))))
     return episodes
 
 
 def compute_advantages(episodes, args, signal=None):
-    """Episodes in, one Sample per turn out with its REINFORCE weight as `adv`, and the credit
-    statistics that are logged. `signal`: the utterance embeddings (`embed_utterances`), one row
-    per utterance of the episodes in order.
-
-    The kernel sees plain arrays; the aggregation is computed and logged with --no-aggregate too."""
+    """One Sample per turn with its REINFORCE weight as `adv`, and the credit statistics (computed
+    with --no-aggregate too); `signal`: `embed_utterances`, one row per utterance, in order."""
     if signal is None:
         raise ValueError("ARIA's credit needs the utterance embeddings (embed_utterances)")
     turns, texts, exact, history = [], [], [], []
@@ -543,127 +521,37 @@ def compute_advantages(episodes, args, signal=None):
             history.append(list(range(first, first + step["pos"] + 1)))  # up to its action
     players = [player for _, _, player in turns]
     info = {}
-    start = time.time()
     weights = aria_advantages(
         traj=[ep.traj_id for ep, _, _ in turns], player=players,
         outcome=[ep.outcome.get(player, 0.0) for ep, _, player in turns], history=history,
         utterances=texts, exact=exact, embeddings=signal, gamma=args.gamma, max_k=args.max_k,
         linkage=args.linkage, split_eps=args.split_eps, split_tau=args.split_tau,
         fixed_k=args.fixed_k, aggregate=args.aggregate, info=info)
-    seconds = time.time() - start
     samples = [Sample(ep.steps[t]["prompt"], ep.steps[t]["completion"], 0, ep.traj_id, t, float(w))
                for (ep, t, _), w in zip(turns, weights)]  # group 0: the batch is aggregated as one
-    returns, aggregated, k = info["returns"], info["values"], info["k"]
+    raw, agg, k = info["returns"], info["values"], info["k"]
 
-    def mean(x):
-        return float(x.mean()) if len(x) else 0.0
+    def mean(x, f=np.mean):
+        return float(f(x)) if len(x) else 0.0
 
     return samples, {
-        "credit/selected_k": k,
-        "credit/max_k": info["max_k"],
-        "credit/num_steps": len(turns),
-        "credit/num_utterances": len(texts),
-        "credit/num_distinct_utterances": info["num_distinct"],
+        "credit/selected_k": k, "credit/max_k": info["max_k"], "credit/num_steps": len(turns),
+        "credit/num_utterances": len(texts), "credit/num_distinct_utterances": info["num_distinct"],
         "credit/num_intentions": info["num_keys"][k],
         "credit/num_histories_exact": len({(p,) + tuple(texts[u] for u in h)
                                            for p, h in zip(players, history)}),
-        "credit/reward_var_raw": float(returns.var()) if len(returns) else 0.0,
-        "credit/reward_var_aggregated": float(aggregated.var()) if len(aggregated) else 0.0,
-        "credit/reward_mean_raw": mean(returns),
-        "credit/reward_mean_aggregated": mean(aggregated),
-        "credit/nonzero_raw_frac": mean(returns > 0),
-        "credit/nonzero_aggregated_frac": mean(aggregated > 0),
+        "credit/reward_var_raw": mean(raw, np.var),
+        "credit/reward_var_aggregated": mean(agg, np.var),
+        "credit/reward_mean_raw": mean(raw), "credit/reward_mean_aggregated": mean(agg),
+        "credit/nonzero_raw_frac": mean(raw > 0), "credit/nonzero_aggregated_frac": mean(agg > 0),
         "credit/split_score_at_k": float(info["scores"].get(k, 0.0)),
         "credit/split_scores": [round(info["scores"][j], 6) for j in sorted(info["scores"])],
-        "credit/weight_mean": mean(weights),
-        "credit/weight_nonzero_frac": mean(weights != 0),
-        "perf/cluster_seconds": seconds}
+        "credit/weight_mean": mean(weights), "credit/weight_nonzero_frac": mean(weights != 0)}
 
 
 # ----------------------------------------------------------------------------------------------
 # 4. Log-probs and loss
 # ----------------------------------------------------------------------------------------------
-def completion_logprobs(model, tok, prompt_ids, completion_ids, temperature=1.0):
-    """Per-token log-probs of the completions given the prompts, under softmax(logits / T), the
-    sampling distribution: one left-padded forward with the active adapter (docs/design.md, "Shared
-    blocks"). Returns (logp [B, C], mask [B, C]), C the longest completion, completions
-    right-aligned (row i's tokens are its last len(completion_i) columns; an empty one: zeros)."""
-    device = next(model.parameters()).device
-    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    seqs = [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids)]
-    width = max(len(s) for s in seqs)
-    C = max(1, max(len(c) for c in completion_ids))
-    input_ids = torch.tensor([[pad] * (width - len(s)) + s for s in seqs], dtype=torch.long,
-                             device=device)
-    attention = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs],
-                             dtype=torch.long, device=device)
-    mask = torch.tensor([[0.0] * (C - len(c)) + [1.0] * len(c) for c in completion_ids],
-                        device=device)
-    # positions count real tokens only, as in generate: left padding then changes no log-prob
-    position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
-    # the logits at positions width-C-1 .. width-2 predict the last C tokens (the completions)
-    logits = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
-                   logits_to_keep=C + 1).logits[:, :-1].float()
-    if temperature > 0 and temperature != 1.0:  # temperature <= 0 (greedy) scores the raw logits
-        logits = logits / temperature
-    targets = input_ids[:, width - C:]
-    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-    return logp * mask, mask
-
-
-def reinforce_loss(seq_logp, weights, batch_size):
-    """Offline REINFORCE (§3.5): -(1/B) Σ_i Ã_i Σ_tokens log π(a_i|h_i), B = the steps of the batch
-    (steps with weight 0, whose forward is skipped, count in B)."""
-    return -(seq_logp * weights).sum() / float(batch_size)
-
-
-def update(model, tok, optimizer, samples, args, rng):
-    """`num_epochs` passes of offline REINFORCE over the turns, shuffled, `batch_size` turns per
-    optimizer step. Zero-weight turns add nothing to the loss: their forward is skipped, and a batch
-    without any weight gives no optimizer step."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    stats = {"loss": [], "loss_first_epoch": [], "grad_norm": [], "logp": [], "steps": 0}
-    model.train()
-    for epoch in range(args.num_epochs):
-        order = rng.permutation(len(samples))
-        for start in range(0, len(order), args.batch_size):
-            batch = [samples[i] for i in order[start:start + args.batch_size]]
-            live = [x for x in batch if x.adv != 0.0]
-            if not live:
-                continue
-            optimizer.zero_grad(set_to_none=True)
-            batch_loss = 0.0
-            for s in range(0, len(live), args.micro_batch_size):
-                chunk = live[s:s + args.micro_batch_size]
-                lp, _ = completion_logprobs(model, tok, [x.prompt for x in chunk],
-                                            [x.completion for x in chunk],
-                                            temperature=args.temperature)
-                seq_logp = lp.sum(-1)  # log π(a|h): the sum over the completion's tokens
-                weights = torch.tensor([x.adv for x in chunk], dtype=seq_logp.dtype,
-                                       device=seq_logp.device)
-                # divided by the whole batch's size: the micro-batches add up to the batch's loss
-                loss = reinforce_loss(seq_logp, weights, len(batch))
-                loss.backward()
-                batch_loss += float(loss.detach())
-                stats["logp"] += seq_logp.detach().cpu().tolist()
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-            optimizer.step()
-            stats["steps"] += 1
-            if epoch == args.num_epochs - 1:
-                stats["loss"].append(batch_loss)
-            if epoch == 0:
-                stats["loss_first_epoch"].append(batch_loss)
-            stats["grad_norm"].append(float(grad_norm))
-    model.eval()
-
-    def mean(key):
-        return float(np.mean(stats[key])) if stats[key] else 0.0
-
-    return {"policy_loss": mean("loss"), "policy_loss_first_epoch": mean("loss_first_epoch"),
-            "grad_norm": mean("grad_norm"), "weighted_seq_logp": mean("logp"),
-            "optimizer_steps": stats["steps"]}
-
-
 # The credit's signal (§3.2): utterance embeddings from the hash, the frozen policy or an encoder.
 _WORD = re.compile(r"[a-z]+|\d+(?:\.\d+)?|[^\sa-z\d]")
 
@@ -703,7 +591,7 @@ def _l2_rows(x):
 
 
 @torch.no_grad()
-def _mean_pool(forward, tok, texts, batch_size=64, device="cpu"):
+def _mean_pool(forward, tok, texts, device, batch_size=64):
     """Mean of the last hidden states over the real tokens of each text (batched, padded)."""
     out = []
     for s in range(0, len(texts), batch_size):
@@ -717,36 +605,30 @@ def _mean_pool(forward, tok, texts, batch_size=64, device="cpu"):
 
 
 class Embedder:
-    """Text -> vector: 'hash', 'policy' (frozen base, adapter off) or an AutoModel checkpoint."""
+    """Text -> L2-normalised vector: 'hash' (`hash_embed`), 'policy' (the frozen base with its
+    adapter off; `main` sets .model and .tok) or an AutoModel (hub id or local directory)."""
 
-    def __init__(self, name, model=None, tok=None, dim=256):
-        from common.models import UserError
+    def __init__(self, name, dim=256):
+        from common.models import HINT, UserError, _check_hub_reachable
 
-        self.name, self.model, self.tok, self.dim = name, model, tok, dim
-        self.encoder = self.enc_tok = None
+        self.name, self.dim, self.model, self.tok = name, dim, None, None
         if name in ("hash", "policy"):
             return
         from transformers import AutoModel, AutoTokenizer
 
         local = Path(name).expanduser().is_dir()
         hint = "use --embedder hash or a local encoder directory"
-        if not local:
-            if name.startswith(("/", "./", "../", "~")):
-                raise UserError(f"--embedder {name!r}: no such local directory; use --embedder "
-                                f"hash, policy, or an encoder checkpoint directory")
-            try:
-                from common.models import _check_hub_reachable
-
-                _check_hub_reachable(name)
-            except UserError as e:
-                raise UserError(f"--embedder: {e}".replace(
-                    "use --model-name tiny or a local checkpoint directory", hint)) from None
-            except ImportError:
-                pass
+        if not local and name.startswith(("/", "./", "../", "~")):
+            raise UserError(f"--embedder {name!r}: no such local directory; use --embedder hash, "
+                            f"policy, or an encoder checkpoint directory")
         source = str(Path(name).expanduser()) if local else name
         try:
+            if not local:
+                _check_hub_reachable(name)
             self.enc_tok = AutoTokenizer.from_pretrained(source)
             self.encoder = AutoModel.from_pretrained(source)
+        except UserError as e:
+            raise UserError(f"--embedder: {e}".replace(HINT, hint)) from None
         except (OSError, ValueError) as e:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise UserError(f"cannot load the encoder {name!r}: {first}; {hint}") from None
@@ -762,24 +644,18 @@ class Embedder:
             return np.zeros((0, self.dim))
         if self.name == "hash":
             return hash_embed(texts, self.dim)
-        if self.name == "policy":
-            model, tok = self.model, self.tok
-            device = next(model.parameters()).device
-            side = tok.padding_side
-            tok.padding_side = "right"
-
-            def forward(enc):
-                return model(**enc, output_hidden_states=True,
-                             logits_to_keep=1).hidden_states[-1]
-
-            try:
-                with model.disable_adapter():
-                    emb = _mean_pool(forward, tok, texts, device=device)
-            finally:
-                tok.padding_side = side
-            return _l2_rows(emb)
-        return _l2_rows(_mean_pool(lambda enc: self.encoder(**enc).last_hidden_state,
-                                   self.enc_tok, texts, device=self.device))
+        if self.name != "policy":
+            return _l2_rows(_mean_pool(lambda enc: self.encoder(**enc).last_hidden_state,
+                                       self.enc_tok, texts, self.device))
+        model, side = self.model, self.tok.padding_side
+        self.tok.padding_side = "right"
+        try:
+            with model.disable_adapter():  # the frozen base: training does not move the vectors
+                return _l2_rows(_mean_pool(lambda enc: model(**enc, output_hidden_states=True,
+                                                             logits_to_keep=1).hidden_states[-1],
+                                           self.tok, texts, next(model.parameters()).device))
+        finally:
+            self.tok.padding_side = side
 
 
 def embed_utterances(embedder, episodes, observation_labels):
@@ -799,155 +675,145 @@ def embed_utterances(embedder, episodes, observation_labels):
     return rows
 
 
+def completion_logprobs(model, tok, prompt_ids, completion_ids, temperature=1.0):
+    """Per-token log-probs of the completions given the prompts, under softmax(logits / T), the
+    sampling distribution: one left-padded forward with the active adapter (docs/design.md, "Shared
+    blocks"). Returns (logp [B, C], mask [B, C]), C the longest completion, completions
+    right-aligned (row i's tokens are its last len(completion_i) columns; an empty one: zeros)."""
+    device = next(model.parameters()).device
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    seqs = [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids)]
+    width = max(len(s) for s in seqs)
+    C = max(1, max(len(c) for c in completion_ids))
+    input_ids = torch.tensor([[pad] * (width - len(s)) + s for s in seqs], dtype=torch.long,
+                             device=device)
+    attention = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs],
+                             dtype=torch.long, device=device)
+    mask = torch.tensor([[0.0] * (C - len(c)) + [1.0] * len(c) for c in completion_ids],
+                        device=device)
+    # positions count real tokens only, as in generate: left padding then changes no log-prob
+    position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
+    # the logits at positions width-C-1 .. width-2 predict the last C tokens (the completions)
+    logits = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
+                   logits_to_keep=C + 1).logits[:, :-1].float()
+    if temperature > 0 and temperature != 1.0:  # temperature <= 0 (greedy) scores the raw logits
+        logits = logits / temperature
+    targets = input_ids[:, width - C:]
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    return logp * mask, mask
+
+
+def reinforce_loss(seq_logp, weights, batch_size):
+    """Offline REINFORCE (§3.5): -(1/B) Σ_i Ã_i Σ_tokens log π(a_i|h_i), B = the steps of the batch
+    (steps with weight 0, whose forward is skipped, count in B)."""
+    return -(seq_logp * weights).sum() / float(batch_size)
+
+
+def update(model, tok, optimizer, samples, args, rng):
+    """`num_epochs` passes of offline REINFORCE over the turns, shuffled, `batch_size` turns per
+    optimizer step. A zero-weight turn adds nothing to the loss, so its forward is skipped."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    stats = {"loss": [], "loss_first_epoch": [], "grad_norm": [], "logp": [], "steps": 0}
+    model.train()
+    for epoch in range(args.num_epochs):
+        order = rng.permutation(len(samples))
+        for start in range(0, len(order), args.batch_size):
+            batch = [samples[i] for i in order[start:start + args.batch_size]]
+            live = [x for x in batch if x.adv != 0.0]
+            if not live:
+                continue
+            optimizer.zero_grad(set_to_none=True)
+            batch_loss = 0.0
+            for s in range(0, len(live), args.micro_batch_size):
+                chunk = live[s:s + args.micro_batch_size]
+                lp, _ = completion_logprobs(model, tok, [x.prompt for x in chunk],
+                                            [x.completion for x in chunk],
+                                            temperature=args.temperature)
+                seq_logp = lp.sum(-1)  # log π(a|h): the sum over the completion's tokens
+                weights = torch.tensor([x.adv for x in chunk], dtype=seq_logp.dtype,
+                                       device=seq_logp.device)
+                # divided by the whole batch's size: the micro-batches add up to the batch's loss
+                loss = reinforce_loss(seq_logp, weights, len(batch))
+                loss.backward()
+                batch_loss += float(loss.detach())
+                stats["logp"] += seq_logp.detach().cpu().tolist()
+            stats["grad_norm"].append(float(torch.nn.utils.clip_grad_norm_(params,
+                                                                           args.max_grad_norm)))
+            optimizer.step()
+            stats["steps"] += 1
+            if epoch == args.num_epochs - 1:
+                stats["loss"].append(batch_loss)
+            if epoch == 0:
+                stats["loss_first_epoch"].append(batch_loss)
+    model.eval()
+
+    def mean(key):
+        return float(np.mean(stats[key])) if stats[key] else 0.0
+
+    return {"policy_loss": mean("loss"), "policy_loss_first_epoch": mean("loss_first_epoch"),
+            "grad_norm": mean("grad_norm"), "weighted_seq_logp": mean("logp"),
+            "optimizer_steps": stats["steps"]}
+
+
 # ----------------------------------------------------------------------------------------------
-# 5. Evaluation, logging and checkpoints
+# 5. Evaluation
 # ----------------------------------------------------------------------------------------------
-def episode_returns(ep, gamma):
-    """The raw returns R(h_t, a_t) = γ^(T-t) R of an episode's turns (§3.3, `turn_returns`): the
-    weights of --no-aggregate, logged beside the aggregated ones."""
-    players = [step["player"] for step in ep.steps]
-    return turn_returns([ep.traj_id] * ep.length, players,
-                        [ep.outcome.get(p, 0.0) for p in players], gamma)
+def eval_games(model, tok, new_env, probe, tasks, args, two_player):
+    """The evaluation's games per seating (single agent: one; two-player: each role against each
+    scripted style): `eval_k` sampled games per task, with common random numbers keyed by (seed,
+    seating, game), the same in every evaluation, and one greedy game. [(name, sampled, greedy)]."""
+    tasks_k = [t for t in tasks for _ in range(args.eval_k)]
+    seatings = [("sampled", None)]
+    if two_player:
+        styles = list(args.eval_opponents) or list(probe.opponent_styles())
+        seatings = [(f"{role}_vs_{s}", {p: "policy" if p == role else s for p in probe.players})
+                    for role in probe.players for s in styles]
+    games = []
+    for c, (name, seats) in enumerate(seatings):
+        def make(seats=seats):
+            return new_env(seats)
 
-
-def episode_record(ep, tag, weights=None):
-    """A game as a samples.jsonl record; `weights`: (raw return, weight) per turn."""
-    record = {"tag": tag, "task": ep.task_id, "outcome": ep.outcome, "success": ep.success}
-    if ep.payoffs:
-        record["payoffs"] = ep.payoffs
-    turns = []
-    for j, step in enumerate(ep.steps):
-        turn = {"player": step["player"], "action": ep.utterances[step["pos"]],
-                "invalid": step["invalid"]}
-        if step["pos"] + 1 < len(ep.kinds) and ep.kinds[step["pos"] + 1] == "observation":
-            turn["observation"] = ep.utterances[step["pos"] + 1]
-        if weights is not None:
-            turn["raw_return"], turn["weight"] = weights[j]
-        turns.append(turn)
-    record["turns"] = turns
-    return record
-
-
-def train_records(episodes, samples, gamma):
-    """The training games as samples.jsonl records, each turn with its raw return (recomputed from
-    the game's outcome by `episode_returns`) and its weight (the sample's adv), both rounded."""
-    adv = {(x.traj, x.turn): x.adv for x in samples}
-    return [episode_record(ep, "train", [(round(float(raw), 4), round(adv[(ep.traj_id, t)], 4))
-                                         for t, raw in enumerate(episode_returns(ep, gamma))])
-            for ep in episodes]
+        keys = [(args.seed, c, i) for i in range(len(tasks_k))]
+        games.append((name, rollout(model, tok, make, tasks_k, args, args.eval_temperature,
+                                    noise_keys=keys),
+                      rollout(model, tok, make, tasks, args, 1.0, greedy=True)))
+    return games
 
 
 def evaluate(model, tok, new_env, probe, tasks, args, two_player):
-    """Single agent: success over `eval_k` sampled games per test task and one greedy game per
-    task. Two-player: the policy plays each role against each scripted style (`new_env(seats)`);
-    the win rate and the payoff share per role and style, sampled (`eval_k` games per task) and
-    greedy (one game). The sampled games draw common random numbers keyed by (seed, cell, game),
-    the same in every evaluation of the run (and in every run of the seed), so `write_summary`
-    pairs the first and the last evaluation game by game (eval/success_episodes,
-    eval/payoff_share_episodes)."""
-    out, records = {}, []
-    tasks_k = [t for t in tasks for _ in range(args.eval_k)]
-
-    def keys(cell):
-        return [(args.seed, cell, i) for i in range(len(tasks_k))]
-    if not two_player:
-        episodes = rollout(model, tok, new_env, tasks_k, args, args.eval_temperature,
-                           noise_keys=keys(0))
-        out["eval/success"], out["eval/success_se"] = mean_se([ep.success for ep in episodes])
-        out["eval/success_episodes"] = [float(ep.success) for ep in episodes]
-        out["eval/return"] = float(np.mean([ep.env_return for ep in episodes]))
-        out["eval/episode_length"] = float(np.mean([ep.length for ep in episodes]))
-        out["eval/invalid_frac"] = float(np.mean([s["invalid"] for ep in episodes
-                                                  for s in ep.steps]))
-        records += [episode_record(ep, "eval/sampled")
-                    for ep in episodes[: args.num_logged_episodes]]
-        greedy = rollout(model, tok, new_env, tasks, args, 1.0, greedy=True)
-        out["eval/success_greedy"], out["eval/success_greedy_se"] = mean_se(
-            [ep.success for ep in greedy])
-        return out, records
-    styles = list(args.eval_opponents) or list(probe.opponent_styles())
-    sampled, greedy, rets, lens, inval, shares, wins, shares_g = [], [], [], [], [], [], [], []
-    cells = [(role, style) for role in probe.players for style in styles]
-    for role in probe.players:
-        for style in styles:
-            def make(role=role, style=style):
-                return new_env({p: "policy" if p == role else style for p in probe.players})
-
-            episodes = rollout(model, tok, make, tasks_k, args, args.eval_temperature,
-                               noise_keys=keys(cells.index((role, style))))
-            g = rollout(model, tok, make, tasks, args, 1.0, greedy=True)
-            wr = float(np.mean([ep.success for ep in episodes]))
-            wr_g = float(np.mean([ep.success for ep in g]))
-            cell = f"{role}_vs_{style}"
-            out[f"eval/win_rate_{cell}"] = wr
-            out[f"eval/win_rate_greedy_{cell}"] = wr_g
-            out[f"eval/payoff_share_{cell}"] = float(np.mean([ep.share for ep in episodes]))
-            out[f"eval/payoff_share_greedy_{cell}"] = float(np.mean([ep.share for ep in g]))
-            shares += [ep.share for ep in episodes]
-            shares_g += [ep.share for ep in g]
-            wins += [ep.success for ep in episodes]
-            sampled.append(wr)
-            greedy.append(wr_g)
-            rets += [ep.env_return for ep in episodes]
-            lens += [ep.length for ep in episodes]
-            inval += [s["invalid"] for ep in episodes for s in ep.steps]
-            if style == styles[0]:
-                records += [dict(episode_record(ep, f"eval/{cell}"), role=role)
-                            for ep in episodes[: max(1, args.num_logged_episodes // 2)]]
-        out[f"eval/win_rate_{role}"] = float(np.mean([out[f"eval/win_rate_{role}_vs_{s}"]
-                                                      for s in styles]))
-    out["eval/success"] = out["eval/win_rate"] = float(np.mean(sampled))
-    out["eval/success_se"] = out["eval/win_rate_se"] = mean_se(wins)[1]
-    # the learner's deal position (payoff share) against the scripted styles: a constant policy
-    # does not saturate it the way it saturates the win rate (docs/aria.md, "Evaluation")
-    out["eval/payoff_share"], out["eval/payoff_share_se"] = mean_se(shares)
-    out["eval/payoff_share_episodes"] = [float(v) for v in shares]
-    out["eval/payoff_share_greedy"], out["eval/payoff_share_greedy_se"] = mean_se(shares_g)
-    out["eval/success_greedy"] = out["eval/win_rate_greedy"] = float(np.mean(greedy))
-    out["eval/return"] = float(np.mean(rets))
-    out["eval/episode_length"] = float(np.mean(lens))
-    out["eval/invalid_frac"] = float(np.mean(inval)) if inval else 0.0
-    return out, records
+    """Success (two-player: the win rate) and two-player the main metric, the payoff share, sampled
+    and greedy with SEs, the main metric also per game (`write_summary` pairs); a few games."""
+    games = eval_games(model, tok, new_env, probe, tasks, args, two_player)
+    sampled, greedy = ([ep for g in games for ep in g[i]] for i in (1, 2))
+    # the mean over the seatings of each one's rate (every seating plays the same number of games)
+    success, success_greedy = (float(np.mean([np.mean([ep.success for ep in g[i]]) for g in games]))
+                               for i in (1, 2))
+    invalid = [s["invalid"] for ep in sampled for s in ep.steps]
+    out = {"eval/success": success, "eval/success_se": mean_se([ep.success for ep in sampled])[1],
+           "eval/success_greedy": success_greedy,
+           "eval/return": float(np.mean([ep.env_return for ep in sampled])),
+           "eval/episode_length": float(np.mean([len(ep.steps) for ep in sampled])),
+           "eval/invalid_frac": float(np.mean(invalid)) if invalid else 0.0}
+    if two_player:  # the win rate saturates against some styles; the deal position does not
+        out.update({"eval/win_rate": success, "eval/win_rate_se": out["eval/success_se"],
+                    "eval/win_rate_greedy": success_greedy})
+        for key, eps in (("eval/payoff_share", sampled), ("eval/payoff_share_greedy", greedy)):
+            out[key], out[key + "_se"] = mean_se([ep.share for ep in eps])
+        out["eval/payoff_share_episodes"] = [ep.share for ep in sampled]
+    else:
+        out["eval/success_greedy_se"] = mean_se([ep.success for ep in greedy])[1]
+        out["eval/success_episodes"] = [float(ep.success) for ep in sampled]
+    n = max(1, args.num_logged_episodes // len(games))
+    return out, [episode_record(ep, f"eval/{name}") for name, eps, _ in games for ep in eps[:n]]
 
 
-def iteration_row(episodes, samples, ustats, cstats, seconds, players=()):
-    """One iteration's metrics: training games, losses, credit statistics, seconds per phase
-    (`players`: the roles of a self-play game, for their win rates)."""
-    row = {
-        "charts/success": float(np.mean([ep.success for ep in episodes])),
-        "charts/return": float(np.mean([ep.env_return for ep in episodes])),
-        "charts/outcome": float(np.mean([r for ep in episodes for r in ep.outcome.values()])),
-        "charts/episode_length": float(np.mean([ep.length for ep in episodes])),
-        "charts/invalid_rate": (float(np.mean([s["invalid"] for ep in episodes for s in ep.steps]))
-                                if samples else 0.0),
-        **{f"losses/{k}": v for k, v in ustats.items()},
-        **cstats,
-        **{f"perf/{k}_seconds": v for k, v in seconds.items()},
-        "perf/tokens_per_second": sum(len(x.completion) for x in samples) / max(seconds["rollout"],
-                                                                                 1e-9),
-        "perf/samples": len(samples),
-    }
-    for p in players:  # a self-play win: the player's payoff beats the other's
-        other = [max([v for q, v in ep.payoffs.items() if q != p] or [0.0]) for ep in episodes]
-        row[f"charts/selfplay_win_rate_{p}"] = float(np.mean(
-            [ep.payoffs.get(p, 0.0) > o + 1e-9 for ep, o in zip(episodes, other)]))
-    if torch.cuda.is_available():
-        row["perf/peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
-    return row
-
-
-def start_run(args, extra):
-    """The run directory, its config.json (every Args field as resolved, and `extra`), a Logger.
-    With --resume: the run's own directory, its config.json as written when it started."""
-    if args.resume:
-        print(f"run dir: {args.resume} (resumed)")
-        return Path(args.resume), Logger(Path(args.resume), args.track)
-    name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_dir = Path(args.output_dir) / name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    print(f"run dir: {run_dir}")
-    (run_dir / "config.json").write_text(json.dumps({**asdict(args), **extra}, indent=2))
-    return run_dir, Logger(run_dir, args.track)
+def mean_se(values) -> tuple[float, float]:
+    """Mean and standard error (scipy.stats.sem: sample std / sqrt(n); 0 for fewer than two values)
+    of per-episode values; for success flags the rate p and about sqrt(p (1 - p) / n)."""
+    x = np.asarray(values, dtype=np.float64)
+    if x.size < 2:
+        return (float(x.mean()) if x.size else 0.0), 0.0
+    return float(x.mean()), float(scipy.stats.sem(x))
 
 
 def eval_line(it, ev):
@@ -974,13 +840,152 @@ def write_summary(run_dir, args, wall_seconds, first_eval, last_eval, metric, **
     return summary
 
 
-def mean_se(values) -> tuple[float, float]:
-    """Mean and standard error (scipy.stats.sem: sample std / sqrt(n); 0 for fewer than two values)
-    of per-episode values; for success flags the rate p and about sqrt(p (1 - p) / n)."""
-    x = np.asarray(values, dtype=np.float64)
-    if x.size < 2:
-        return (float(x.mean()) if x.size else 0.0), 0.0
-    return float(x.mean()), float(scipy.stats.sem(x))
+# ----------------------------------------------------------------------------------------------
+# 6. Logging, checkpoints and the main loop
+# ----------------------------------------------------------------------------------------------
+def make_env(args):
+    """The env factory `new_env(seats=None)` (an `envs.Seated` game; default seats: the policy in
+    every seat), a bare probe env, the policy's `policy_defaults` and the env options."""
+    import envs
+    from common.models import UserError, policy_defaults
+
+    if args.env_id not in envs.available():
+        raise UserError(f"env {args.env_id!r} is not available in this checkout; available env "
+                        f"ids: {', '.join(envs.available()) or 'none'}")
+    # a tiny policy was trained on prompts rendered with its recipe's env options: use the same ones
+    real = PRESETS["real"]
+    defaults = policy_defaults(args.model_name, args.env_id, args.tiny_preset,
+                               learning_rate=real["learning_rate"],
+                               max_new_tokens=real["max_new_tokens"],
+                               tiny_learning_rate=PRESETS["tiny"]["learning_rate"])
+    kw = dict(defaults.env_kwargs)
+    if args.history is not None:
+        kw["history"] = args.history
+    two_player = args.env_id in envs.TWO_PLAYER
+
+    def make():
+        env = envs.make(args.env_id, **kw)
+        if args.max_turns and not two_player:
+            env.max_turns = args.max_turns
+        return env
+
+    def new_env(seats=None):
+        return envs.Seated(make(), seats)
+
+    try:
+        probe = make()
+        probe.reset(probe.task_ids("train")[0])
+    except (ValueError, TypeError) as e:
+        raise UserError(f"env {args.env_id!r}: {e}") from None
+    unknown = [s for s in args.eval_opponents if two_player and s not in probe.opponent_styles()]
+    if unknown:
+        raise UserError(f"--eval-opponents: unknown style(s) {unknown}; known: "
+                        f"{', '.join(probe.opponent_styles())}")
+    return new_env, probe, defaults, kw
+
+
+def resolve_args(args, defaults):
+    """The options left at None or "auto" (PRESETS, GAME_PRESETS, OBSERVATION_LABELS): the values
+    the run uses and config.json records."""
+    import envs
+
+    game = GAME_PRESETS["two_player" if args.env_id in envs.TWO_PLAYER else "single_agent"]
+    labels = OBSERVATION_LABELS.get(args.env_id, "cluster")
+    if args.observation_labels == "auto":
+        args = dataclasses.replace(args, observation_labels=labels)
+    return fill_defaults(args, {**PRESETS["tiny" if defaults.is_tiny else "real"], **game,
+                                "learning_rate": defaults.learning_rate,
+                                "max_new_tokens": defaults.max_new_tokens})
+
+
+def check_args(args):
+    """User errors in the resolved arguments: one UserError line each."""
+    from common.models import UserError
+
+    if args.num_iterations < 0:
+        raise UserError("--num-iterations must be >= 0")
+    if min(args.games_per_iteration, args.num_epochs, args.eval_k) < 1:
+        raise UserError("--games-per-iteration, --num-epochs and --eval-k must be >= 1")
+    if not 0.0 < args.gamma <= 1.0:
+        raise UserError(f"--gamma must be in (0, 1], got {args.gamma}")
+    if args.max_k < 2 or args.split_tau < 0 or args.split_eps <= 0:
+        raise UserError("--max-k must be >= 2, --split-tau >= 0 and --split-eps > 0")
+    if min(args.batch_size, args.micro_batch_size) < 1:
+        raise UserError("--batch-size and --micro-batch-size must be >= 1")
+
+
+def iteration_row(episodes, samples, ustats, cstats, seconds):
+    """One iteration's metrics: the training games, losses, credit statistics, seconds per phase."""
+    invalid = [s["invalid"] for ep in episodes for s in ep.steps]
+    tokens = sum(len(x.completion) for x in samples)
+    row = {"charts/success": float(np.mean([ep.success for ep in episodes])),
+           "charts/return": float(np.mean([ep.env_return for ep in episodes])),
+           "charts/outcome": float(np.mean([r for ep in episodes for r in ep.outcome.values()])),
+           "charts/episode_length": float(np.mean([len(ep.steps) for ep in episodes])),
+           "charts/invalid_rate": float(np.mean(invalid)) if invalid else 0.0,
+           **{f"losses/{k}": v for k, v in ustats.items()}, **cstats,
+           **{f"perf/{k}_seconds": v for k, v in seconds.items()},
+           "perf/tokens_per_second": tokens / max(seconds["rollout"], 1e-9),
+           "perf/samples": len(samples)}
+    if torch.cuda.is_available():
+        row["perf/peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    return row
+
+
+def episode_record(ep, tag, weights=None):
+    """A game as a samples.jsonl record; `weights`: {(traj, turn): the turn's training weight}."""
+    turns = []
+    for t, step in enumerate(ep.steps):
+        turn = {"player": step["player"], "action": ep.utterances[step["pos"]],
+                "invalid": step["invalid"]}
+        if ep.kinds[step["pos"] + 1:step["pos"] + 2] == ["observation"]:
+            turn["observation"] = ep.utterances[step["pos"] + 1]
+        if weights is not None:
+            turn["weight"] = round(weights[ep.traj_id, t], 4)
+        turns.append(turn)
+    return {"tag": tag, "task": ep.task_id, "outcome": ep.outcome, "success": ep.success,
+            "turns": turns}
+
+
+def fill_defaults(args, values):
+    """`args` with each option left at None set from `values` (PRESETS, the policy's defaults)."""
+    return dataclasses.replace(args, **{k: v for k, v in values.items()
+                                        if getattr(args, k) is None})
+
+
+def seed_everything(seed):
+    """Seeds python, numpy and torch; returns the numpy generator of the run's tasks and batches."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    return np.random.default_rng(seed)
+
+
+def resumed_args(args):
+    """--resume RUN_DIR: the arguments that run started with (its config.json), to go on with it."""
+    from common.models import UserError
+
+    run_dir = Path(args.resume)
+    if not (run_dir / "checkpoint.pt").is_file():
+        raise UserError(f"--resume {run_dir}: no checkpoint.pt there (a run writes one every "
+                        "--checkpoint-every iterations); pass a run that reached its first one")
+    saved = json.loads((run_dir / "config.json").read_text())
+    names = {f.name for f in dataclasses.fields(args)} - {"resume"}
+    return dataclasses.replace(args, **{k: v for k, v in saved.items() if k in names})
+
+
+def start_run(args, extra):
+    """The run directory, its config.json (every Args field as resolved, and `extra`), a Logger.
+    With --resume: the run's own directory, its config.json as written when it started."""
+    if args.resume:
+        print(f"run dir: {args.resume} (resumed)")
+        return Path(args.resume), Logger(Path(args.resume), args.track)
+    name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_dir = Path(args.output_dir) / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    print(f"run dir: {run_dir}")
+    (run_dir / "config.json").write_text(json.dumps({**asdict(args), **extra}, indent=2))
+    return run_dir, Logger(run_dir, args.track)
 
 
 class Logger:
@@ -1016,25 +1021,6 @@ class Logger:
 
 def save_adapter(model, run_dir: Path):
     model.save_pretrained(str(run_dir / "adapter"))
-
-
-def resumed_args(args):
-    """--resume RUN_DIR: the arguments that run started with (its config.json), to go on with it."""
-    from common.models import UserError
-
-    run_dir = Path(args.resume)
-    if not (run_dir / "checkpoint.pt").is_file():
-        raise UserError(f"--resume {run_dir}: no checkpoint.pt there (a run writes one every "
-                        "--checkpoint-every iterations); pass a run that reached its first one")
-    saved = json.loads((run_dir / "config.json").read_text())
-    names = {f.name for f in dataclasses.fields(args)} - {"resume"}
-    return dataclasses.replace(args, **{k: v for k, v in saved.items() if k in names})
-
-
-def fill_defaults(args, values):
-    """`args` with each option left at None set from `values` (PRESETS, the policy's defaults)."""
-    return dataclasses.replace(args, **{k: v for k, v in values.items()
-                                        if getattr(args, k) is None})
 
 
 def save_checkpoint(run_dir: Path, it, model, optimizers, rng, evals, extra=None):
@@ -1076,99 +1062,6 @@ def load_checkpoint(run_dir: Path, model, optimizers, rng):
     return ck["iteration"], ck["evals"], ck["extra"]
 
 
-# ----------------------------------------------------------------------------------------------
-# 6. Main loop
-# ----------------------------------------------------------------------------------------------
-def make_env(args):
-    """The env factory `new_env` (user errors -> UserError), one probe instance, the policy's
-    model-dependent defaults (`policy_defaults`) and the env options. `new_env(seats=None)` builds
-    the env (a single-agent env with `--max-turns` when it is given) as an `envs.Seated` game
-    (default seats: the policy in every seat, self-play in a two-player game); the probe is the
-    bare env."""
-    import envs
-    from common.models import UserError, policy_defaults
-
-    if args.env_id not in envs.available():
-        raise UserError(f"env {args.env_id!r} is not available in this checkout; available env "
-                        f"ids: {', '.join(envs.available()) or 'none'}")
-    # a tiny policy was trained on prompts rendered with its recipe's env options: use the same ones
-    real = PRESETS["real"]
-    defaults = policy_defaults(args.model_name, args.env_id, args.tiny_preset,
-                               learning_rate=real["learning_rate"],
-                               max_new_tokens=real["max_new_tokens"],
-                               tiny_learning_rate=PRESETS["tiny"]["learning_rate"])
-    kw = dict(defaults.env_kwargs)
-    if args.history is not None:
-        kw["history"] = args.history
-    two_player = args.env_id in envs.TWO_PLAYER
-
-    def make():
-        env = envs.make(args.env_id, **kw)
-        if args.max_turns and not two_player:
-            env.max_turns = args.max_turns
-        return env
-
-    def new_env(seats=None):
-        return envs.Seated(make(), seats)
-
-    try:
-        probe = make()
-        probe.reset(probe.task_ids("train")[0])
-    except (ValueError, TypeError) as e:
-        raise UserError(f"env {args.env_id!r}: {e}") from None
-    unknown = [s for s in args.eval_opponents if two_player and s not in probe.opponent_styles()]
-    if unknown:
-        raise UserError(f"--eval-opponents: unknown style(s) {unknown}; known: "
-                        f"{', '.join(probe.opponent_styles())}")
-    return new_env, probe, defaults, kw
-
-
-def resolve_args(args, defaults):
-    """`args` with every option left at None or "auto" filled in (PRESETS through `defaults`,
-    GAME_PRESETS, OBSERVATION_LABELS): the values the run uses and config.json records."""
-    import envs
-
-    def given(value, default):
-        return default if value is None else value
-
-    game = GAME_PRESETS["two_player" if args.env_id in envs.TWO_PLAYER else "single_agent"]
-    return dataclasses.replace(
-        args, learning_rate=given(args.learning_rate, defaults.learning_rate),
-        max_new_tokens=given(args.max_new_tokens, defaults.max_new_tokens),
-        micro_batch_size=given(args.micro_batch_size,
-                               PRESETS["tiny" if defaults.is_tiny else "real"]["micro_batch_size"]),
-        **{name: given(getattr(args, name), value) for name, value in game.items()},
-        observation_labels=(OBSERVATION_LABELS.get(args.env_id, "cluster")
-                            if args.observation_labels == "auto" else args.observation_labels))
-
-
-def check_args(args):
-    """User errors in the (resolved) arguments -> UserError, one line that says what to do."""
-    from common.models import UserError
-
-    rules = [
-        (args.num_iterations >= 0, "--num-iterations must be >= 0"),
-        (min(args.games_per_iteration, args.num_epochs, args.eval_k) >= 1,
-         "--games-per-iteration, --num-epochs and --eval-k must be >= 1"),
-        (0.0 < args.gamma <= 1.0, f"--gamma must be in (0, 1], got {args.gamma}"),
-        (args.max_k >= 2 and args.split_tau >= 0 and args.split_eps > 0,
-         "--max-k must be >= 2, --split-tau >= 0 and --split-eps > 0"),
-        (min(args.batch_size, args.micro_batch_size) >= 1,
-         "--batch-size and --micro-batch-size must be >= 1"),
-    ]
-    for ok, message in rules:
-        if not ok:
-            raise UserError(message)
-
-
-def seed_everything(seed):
-    """Seeds python, numpy and torch; returns the numpy generator of the run's tasks and batches."""
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    return np.random.default_rng(seed)
-
-
 def main(args: Args):
     import envs
     from common.models import load_policy
@@ -1183,7 +1076,6 @@ def main(args: Args):
     args = resolve_args(args, defaults)
     check_args(args)
     two_player = args.env_id in envs.TWO_PLAYER
-    players = probe.players if two_player else ()
     eval_metric = "eval/payoff_share" if two_player else "eval/success"
     train_tasks = list(probe.task_ids("train"))
     test_tasks = list(probe.task_ids("test"))[: args.eval_num_tasks or None]  # 0: all of them
@@ -1194,8 +1086,8 @@ def main(args: Args):
                              lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                              activation_checkpointing=args.activation_checkpointing)
     embedder.model, embedder.tok = model, tok  # used by --embedder policy
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.Adam(params, lr=args.learning_rate)
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad],
+                                 lr=args.learning_rate)
     run_dir, logger = start_run(args, {"env_kwargs": env_kwargs, "two_player": two_player})
 
     def run_eval(it):
@@ -1220,24 +1112,25 @@ def main(args: Args):
         t0 = time.time()
         chosen = rng.choice(len(train_tasks), size=args.games_per_iteration,
                             replace=len(train_tasks) < args.games_per_iteration)
-        tasks = [train_tasks[i] for i in chosen]
-        episodes = rollout(model, tok, new_env, tasks, args, args.temperature)
+        episodes = rollout(model, tok, new_env, [train_tasks[i] for i in chosen], args,
+                           args.temperature)
         seconds = {"rollout": time.time() - t0}
 
         t1 = time.time()
         embeddings = embed_utterances(embedder, episodes, args.observation_labels)
         seconds["embed"] = time.time() - t1
         samples, cstats = compute_advantages(episodes, args, embeddings)
-        seconds["credit"] = time.time() - t1
+        seconds["credit"] = time.time() - t1  # the embedding and the clustering
 
         t2 = time.time()
         ustats = update(model, tok, optimizer, samples, args, rng)
         seconds["update"] = time.time() - t2
         seconds["iteration"] = time.time() - t0
 
-        row = iteration_row(episodes, samples, ustats, cstats, seconds, players)
-        logger.log_samples(it, train_records(episodes[: args.num_logged_episodes], samples,
-                                             args.gamma))
+        row = iteration_row(episodes, samples, ustats, cstats, seconds)
+        weights = {(x.traj, x.turn): x.adv for x in samples}
+        logger.log_samples(it, [episode_record(ep, "train", weights)
+                                for ep in episodes[: args.num_logged_episodes]])
         if args.eval_every and (it % args.eval_every == 0 or it == args.num_iterations):
             last_eval = run_eval(it)
             row.update(last_eval)
@@ -1254,7 +1147,6 @@ def main(args: Args):
         logger.log(args.num_iterations, last_eval)
     if args.save_model:
         save_adapter(model, run_dir)
-    # the greedy counterpart of the main metric (eval/payoff_share_greedy, eval/success_greedy)
     return write_summary(run_dir, args, time.time() - t_start, first_eval, last_eval, eval_metric)
 
 

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.conftest import REPO, assert_adapter_trained, assert_run_outputs, read_metrics
+from tests.conftest import REPO, assert_adapter_trained, assert_run_outputs, load_benchmark, read_metrics
 
 import aria
 
@@ -170,7 +170,11 @@ def _step(player, pos):
 def _raw_and_weights(episodes, args):
     signal = aria.embed_utterances(aria.Embedder("hash"), episodes, args.observation_labels)
     samples, st = aria.compute_advantages(episodes, args, signal)
-    raw = [r for ep in episodes for r in aria.episode_returns(ep, args.gamma)]
+    raw = []  # the raw returns γ^(T-t) R of each episode's turns, per player (--no-aggregate's weights)
+    for ep in episodes:
+        players = [s["player"] for s in ep.steps]
+        raw += aria.turn_returns([ep.traj_id] * len(players), players, [ep.outcome[p] for p in players],
+                                 args.gamma).tolist()
     return raw, [s.adv for s in samples], st
 
 
@@ -335,14 +339,24 @@ def test_end_to_end_bargaining_selfplay(runs):
     r = _check_credit_rows(run_dir)
     assert r["credit/weight_nonzero_frac"] > 0
     ev = summary["last_eval"]
-    for key in ("eval/win_rate_Alice", "eval/win_rate_Bob", "eval/win_rate_Alice_vs_tough", "eval/success_greedy"):
+    for key in ("eval/win_rate", "eval/success_greedy", "eval/payoff_share", "eval/payoff_share_greedy"):
         assert 0.0 <= ev[key] <= 1.0, key
-    # the main metric pools the same number of games per role and style: the mean of the per-cell shares,
-    # sampled and greedy; the summary names the sampled share as the run's main metric
+    # per role and style (benchmarks/aria_cells.py): the last evaluation replayed from the saved adapter plays
+    # the run's own games; the main metric pools the same number of games per role and style: the mean of the
+    # per-cell shares, sampled and greedy; the summary names the sampled share as the run's main metric
+    aria_cells = load_benchmark("aria_cells")
+    cells = aria_cells.replay(run_dir)
+    for key in ("eval/win_rate_Alice", "eval/win_rate_Bob", "eval/win_rate_Alice_vs_tough"):
+        assert 0.0 <= cells[key] <= 1.0, key
+    for key in ("eval/payoff_share", "eval/payoff_share_greedy", "eval/win_rate"):
+        assert cells[key] == pytest.approx(ev[key], abs=1e-12), key
     for kind in ("", "_greedy"):
-        cells = [ev[f"eval/payoff_share{kind}_{r}_vs_{s}"] for r in ("Alice", "Bob") for s in ("fair", "tough")]
-        assert ev[f"eval/payoff_share{kind}"] == pytest.approx(np.mean(cells), abs=1e-12)
-        assert all(0.0 <= c <= 1.0 for c in cells)
+        per_cell = [cells[f"eval/payoff_share{kind}_{r}_vs_{s}"] for r in ("Alice", "Bob") for s in ("fair", "tough")]
+        assert ev[f"eval/payoff_share{kind}"] == pytest.approx(np.mean(per_cell), abs=1e-12)
+        assert all(0.0 <= c <= 1.0 for c in per_cell)
+    # the sampled shares per cell also come from metrics.jsonl's per-game list, without playing
+    last = aria_cells.shares_from_metrics(run_dir)[-1]
+    assert last.pop("iteration") == 1 and last == {k: cells[k] for k in last}
     assert summary["metric"] == "eval/payoff_share"
     train = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines() if '"train"' in x]
     assert train and {t["player"] for g in train for t in g["turns"]} <= {"Alice", "Bob"}
@@ -363,8 +377,8 @@ def test_end_to_end_negotiation_policy_encoder_ward(runs):
     run_dir = runs["negotiation"].result()
     summary = assert_run_outputs(run_dir)
     _check_credit_rows(run_dir)
-    assert "eval/win_rate_Bob_vs_fair" in summary["last_eval"]
-    assert "eval/win_rate_Bob_vs_tough" not in summary["last_eval"]
+    # --eval-opponents fair: 2 roles x 1 style x 2 test tasks x --eval-k 1 sampled games (all 4 styles: 16)
+    assert len(summary["last_eval"]["eval/payoff_share_episodes"]) == 2 * 1 * 2 * 1
 
 
 def test_end_to_end_guess_my_city(runs):
