@@ -28,7 +28,9 @@ paper's copy lacks the method section, so the equations are the official code's,
                                                   -> `prm_prompt`, `parse_prm_answer`, `llm_prm`
 - ablations: --prm none (outcome only), --weights ones (EPO-SFT: every own strategy weighted 1)
 
-Deviations from the paper and from the official code: docs/epo.md, "Deviations".
+`python epo.py` is not the paper's setup (docs/epo.md, "Deviations"): a tiny Negotiation strategist
+against scripted styles, with a rule agent, a rule PRM, batch-scaled returns and an outcome gate.
+Reading order: Args, section 2 (the credit), `rollout`, `llm_prm` and `update`, then `main`.
 
 Example
     python epo.py                       # tiny Negotiation, rule agent, rule PRM, CPU
@@ -84,8 +86,7 @@ class Args:
 
     # model
     model_name: str = "tiny"
-    """'tiny' (the env's tiny strategist), 'smollm2-135m' (SmolLM2-135M-Instruct), a hub id or a
-    local directory"""
+    """'tiny' (the env's tiny strategist), 'smollm2-135m', a hub id or a local directory"""
     tiny_preset: str = "default"
     """tiny policy size preset: 'default' or 'micro' (builds in seconds, for tests)"""
     load_in_4bit: Optional[bool] = None
@@ -107,20 +108,17 @@ class Args:
 
     # environment
     env_id: str = "negotiation"
-    """env: negotiation (self-chat, both parties with a strategist), or a single-agent env with
-    --agent base"""
+    """negotiation (two parties, each with a strategist), or a single-agent env with --agent base"""
     history: Optional[int] = None
     """past moves shown in the prompt; None: the env's (or the tiny recipe's) default"""
     agent: Literal["rule", "base"] = "rule"
-    """frozen agent: 'rule' (the env's strategy-following rule agent) or 'base' (the base model,
-    adapters off)"""
+    """frozen agent: 'rule' (the env's strategy-following rules) or 'base' (the base model)"""
     agent_temperature: float = 0.0
     """sampling temperature of the base agent (0: greedy; official action agent: 0)"""
     agent_max_new_tokens: Optional[int] = None
     """most tokens per agent message; None: by model (PRESETS)"""
     train_opponent: Optional[str] = None
-    """training games: 'self' (self-chat, both roles learn; the paper's), 'rule:<style>' or
-    'rule:any' (one role learns against scripted styles); None: by model (PRESETS)"""
+    """'self' (self-chat, the paper's), 'rule:<style>' or 'rule:any'; None: by model (PRESETS)"""
     eval_num_tasks: int = 0
     """test tasks per evaluation (each played in both roles against every scripted style; 0: all)"""
     eval_opponents: tuple[str, ...] = ()
@@ -134,8 +132,7 @@ class Args:
 
     # algorithm
     num_iterations: int = 40
-    """self-play iterations (collect, PRM, weights, train); the paper reports a plateau after
-    about 5"""
+    """self-play iterations (collect, PRM, weights, train); the paper plateaus after about 5"""
     episodes_per_iteration: int = 64
     """games collected per iteration (self-chat: 2 strategist trajectories per game)"""
     num_epochs: int = 3
@@ -143,8 +140,7 @@ class Args:
     trajectories_per_step: int = 8
     """trajectories per optimizer step (official: batch 1 x gradient accumulation 8)"""
     micro_batch_size: Optional[int] = None
-    """strategy turns (and LLM PRM prompts) per forward pass; None: by model (PRESETS: 8 on a
-    real model, whose long prompts make big forwards on a CPU)"""
+    """strategy turns (and LLM PRM prompts) per forward pass; None: by model (PRESETS)"""
     learning_rate: Optional[float] = None
     """AdamW learning rate; None: by model (PRESETS; official, full fine-tuning: 1e-6)"""
     warmup_ratio: float = 0.03
@@ -156,15 +152,13 @@ class Args:
     gamma: float = 0.99
     """γ of the turn returns (official: 0.99)"""
     prm: Literal["rule", "llm", "none"] = "rule"
-    """process reward: 'rule' (top-k progress gains), 'llm' (frozen base model, the paper's
-    prompt), 'none'"""
+    """process reward: 'rule' (top-k progress gains), 'llm' (the paper's prompt), 'none'"""
     prm_top_k: int = 2
     """rule PRM: at most this many critical turns per trajectory"""
     prm_min_gain: float = 1e-6
     """rule PRM: a turn is critical only if its progress gain exceeds this"""
     prm_min_final: Optional[float] = None
-    """rule PRM: no critical turn in a game whose final progress (Negotiation: goal score / 10) is
-    below this (official: 0, the PRM sees every game); None: by model (PRESETS)"""
+    """rule PRM: no critical turn in a game ending below this progress; None: by model (PRESETS)"""
     prm_temperature: float = 0.7
     """LLM PRM sampling temperature (official: 0.7)"""
     prm_max_new_tokens: Optional[int] = None
@@ -172,15 +166,12 @@ class Args:
     weights: Literal["epo", "ones"] = "epo"
     """'epo': PRM + outcome returns; 'ones': every own strategy weighted 1 (EPO-SFT ablation)"""
     return_norm: Optional[Literal["trajectory", "batch"]] = None
-    """returns divided by the max |G| of each trajectory (official) or of the whole batch;
-    None: by model (PRESETS)"""
+    """returns over the max |G| of each trajectory (official) or the batch; None: PRESETS"""
 
 
-# The options left at None depend on the model; `resolve_args` fills them, in this one place.
-# "real": any pretrained model (the paper's and the official code's setting; lr for LoRA). "tiny":
-# the tiny strategist as measured (docs/epo.md, "Defaults for the tiny strategist"; its recipe
-# supplies the strategy budget); its GAME_OPTIONS only in a two-player game (single-agent envs have
-# no scripted styles to train against, and take "real"'s).
+# The options left at None depend on the model; `resolve_args` fills them from here. "real": any
+# pretrained model (the paper's setting; lr for LoRA); "tiny": the tiny strategist as measured
+# (docs/epo.md), its GAME_OPTIONS only in a two-player game (no scripted styles elsewhere).
 PRESETS = {
     "real": dict(learning_rate=2e-5, max_new_tokens=48, agent_max_new_tokens=128,
                  prm_max_new_tokens=256, micro_batch_size=8, train_opponent="self",
@@ -313,9 +304,7 @@ THOUGHT_SYSTEM = (
     "You are a guide for an agent acting in a text environment. Each turn, analyse the situation "
     "and give one or two sentences that help the agent choose its next action, as "
     "`Thought: <your thoughts>` inside <action>...</action>. The agent's instructions:\n{context}")
-THOUGHT_FOOTER = ("Give your guidance for the agent's next action: Thought: <one or two "
-                  "sentences>.")
-
+THOUGHT_FOOTER = "Give your guidance for the agent's next action: Thought: <one or two sentences>."
 OUTCOME_FROM_REWARD = ("webshop",)  # single-agent envs whose outcome is the final reward in [0, 1]
 
 
@@ -334,18 +323,16 @@ class Episode:
     views: list = field(default_factory=list)  # per turn: the strategist's user message (PRM)
     moves: list = field(default_factory=list)  # per turn: what the agent sent
     invalid: list = field(default_factory=list)
-    understood: list = field(default_factory=list)  # the rule agent recognised the strategy
     progress: list = field(default_factory=list)  # before each turn, then the final value (T + 1)
     outcome: float = 0.0  # goal score scaled to [0, 1]
     score: float = 0.0  # goal score on the env's scale (Negotiation 0-10)
-    env_return: float = 0.0
+    env_return: float = 0.0  # sum of the env's rewards (single-agent envs)
     won: bool = False
     deal: bool = False
     context: str = ""  # the goal / background shown to the PRM
-    # the credit, recorded for samples.jsonl: set by compute_advantages (and llm_prm)
-    critical: list = field(default_factory=list)
+    critical: list = field(default_factory=list)  # the credit, set by compute_advantages
     weights: list = field(default_factory=list)
-    prm_answer: str = ""
+    prm_answer: str = ""  # set by llm_prm
 
     @property
     def length(self) -> int:
@@ -387,53 +374,38 @@ def completion_text(tok, completion) -> str:
     return tok.decode(completion, skip_special_tokens=True)
 
 
-def decode(tok, ids) -> str:
-    return tok.decode(ids, skip_special_tokens=True)
-
-
 def with_user_suffix(messages, suffix):
     """A copy of chat messages with `suffix` appended (on a new line) to the last user message."""
     out = [dict(m) for m in messages]
-    for m in reversed(out):
-        if m["role"] == "user":
-            m["content"] = f"{m['content']}\n{suffix}"
-            break
+    users = [m for m in out if m["role"] == "user"]
+    if users:
+        users[-1]["content"] = f"{users[-1]['content']}\n{suffix}"
     return out
 
 
-def with_own_strategies(messages, strategies):
-    """An instruct strategist's prompt plus its own earlier strategies of this game (the paper's
-    strategist conditions on them; the env's view shows only the last moves). The tiny strategist
-    is not given them: its prompt format is the one it was trained on."""
-    if not strategies:
-        return messages
-    listed = "; ".join(f"{i}. {s}" for i, s in enumerate(strategies, 1))
-    return with_user_suffix(messages, f"Your earlier strategies in this game: {listed}")
-
-
 def context(game, player):
-    """What `player` was told: the game's system prompt without the move list, or the env's
-    instructions."""
+    """What `player` was told: the game's system prompt without the move list, or the env's."""
     if game.two_player:
         return game.env.system_prompt_for(player).split("\nMoves:")[0]
     return game.env.system_prompt
 
 
 def strategist_messages(game, player, own, real):
-    """The strategist's prompt. Two-player: the player's view (an instruct strategist is told the
-    game and that it advises rather than plays); single agent: the env's prompt under the
-    `Thought:` guide's system prompt. An instruct strategist also sees its own earlier strategies
-    `own` (`with_own_strategies`)."""
+    """The strategist's prompt: the player's view (single agent: with the `Thought:` footer); an
+    instruct strategist (`real`) gets its own system prompt and its earlier strategies `own`."""
     if game.two_player:
         msgs = game.observe(player)
-        if not real:
+        if not real:  # the tiny strategist: the format it was trained on
             return msgs
         system = STRATEGIST_SYSTEM.format(player=player, context=context(game, player))
     else:
         msgs = with_user_suffix(game.observe(player), THOUGHT_FOOTER)
         system = THOUGHT_SYSTEM.format(context=game.env.system_prompt)
     msgs = [{"role": "system", "content": system}, *msgs[1:]]
-    return with_own_strategies(msgs, own) if real else msgs
+    if not real or not own:
+        return msgs
+    listed = "; ".join(f"{i}. {s}" for i, s in enumerate(own, 1))
+    return with_user_suffix(msgs, f"Your earlier strategies in this game: {listed}")
 
 
 def agent_messages(game, player, strategy):
@@ -493,36 +465,41 @@ def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False, 
 
 
 def strategy_of(text: str) -> str:
-    """The strategy inside a strategist's raw output (`<action>` tags stripped, at most 200
-    characters)."""
+    """The strategy inside a strategist's output (`<action>` tags stripped, at most 200 chars)."""
     from envs import extract_action
 
-    s = extract_action(text)
-    return s if len(s) <= 200 else s[:200]
+    return extract_action(text)[:200]
+
+
+def training_games(new_env, tasks, players, styles, args, rng):
+    """One game per task: the policy in every seat (`--train-opponent self`, or a single-agent env),
+    or in one role, alternating, against a scripted style (`rule:<style>`; `rule:any`: drawn)."""
+    games = []
+    for n, task in enumerate(tasks):
+        seats = {p: "policy" for p in players}
+        if args.train_opponent != "self":
+            style = args.train_opponent.split(":", 1)[1]
+            style = styles[int(rng.integers(len(styles)))] if style == "any" else style
+            seats.update({p: style for p in players if p != players[n % len(players)]})
+        games.append(new_env(task, seats))
+    return games
 
 
 def rollout(model, tok, games, args, temperature, greedy=False, first_traj_id=0, real=False,
             noise_keys=None):
-    """Play every game (an `envs.Seated`, reset to its task) to the end, all stepped together: per
-    round, one batched strategist `generate` for every game whose turn it is (and, for `--agent
-    base`, one batched agent `generate` with the adapter disabled); scripted seats move inside the
-    games. `real`: an instruct strategist (its prompts). `noise_keys` (evaluation): one key per
-    game; seat p's t-th strategy (and its agent's move) samples with the common random numbers of
-    (*key, p, t, 0) (and (*key, p, t, 1)) (`CommonNoise`). Returns one Episode per (game, policy
-    seat), in game order."""
+    """Play the games (`envs.Seated`, reset) to the end together: per round one batched strategist
+    `generate`, then the agents' moves (rule, or one batched `generate`, adapter off). `noise_keys`
+    (evaluation), one per game: seat p's t-th strategy (and agent move) samples with the common
+    random numbers of (*key, p, t, 0) (and 1). Returns one Episode per (game, policy seat)."""
     episodes = {}
     for g, game in enumerate(games):
-        for p in game.players:
-            if game.seats[p] == "policy":
-                others = [game.seats[q] for q in game.players if q != p]
-                opp = "" if not others else ("self" if others[0] == "policy" else others[0])
-                episodes[(g, p)] = Episode(first_traj_id + len(episodes), g, str(game.task_id), p,
-                                           opp, context=context(game, p))
+        for p in [p for p in game.players if game.seats[p] == "policy"]:
+            others = [game.seats[q] for q in game.players if q != p]
+            opponent = "" if not others else ("self" if others[0] == "policy" else others[0])
+            episodes[(g, p)] = Episode(first_traj_id + len(episodes), g, str(game.task_id), p,
+                                       opponent, context=context(game, p))
     model.eval()
-    for _ in range(10_000):  # every game ends (max turns / invalid streaks); this only bounds a bug
-        live = [g for g, game in enumerate(games) if not game.done]
-        if not live:
-            break
+    while live := [g for g, game in enumerate(games) if not game.done]:
         who = [games[g].current_player for g in live]
         msgs = [strategist_messages(games[g], p, episodes[(g, p)].strategies, real)
                 for g, p in zip(live, who)]
@@ -539,10 +516,10 @@ def rollout(model, tok, games, args, temperature, greedy=False, first_traj_id=0,
             agent_prompts = [encode(tok, render_prompt(tok, agent_messages(games[g], p, s)))
                              for g, p, s in zip(live, who, strategies)]
             with model.disable_adapter():
-                agent_completions = generate(
-                    model, tok, agent_prompts, args.agent_temperature, args.agent_max_new_tokens,
-                    noise_keys=None if keys is None else [(*k, 1) for k in keys])
-            moves = [completion_text(tok, c) for c in agent_completions]
+                replies = generate(model, tok, agent_prompts, args.agent_temperature,
+                                   args.agent_max_new_tokens,
+                                   noise_keys=None if keys is None else [(*k, 1) for k in keys])
+            moves = [completion_text(tok, c) for c in replies]
         for k, (g, p) in enumerate(zip(live, who)):
             game, ep = games[g], episodes[(g, p)]
             ep.prompts.append(prompts[k])
@@ -550,50 +527,37 @@ def rollout(model, tok, games, args, temperature, greedy=False, first_traj_id=0,
             ep.strategies.append(strategies[k])
             ep.views.append(msgs[k][-1]["content"])
             ep.progress.append(game.progress(p))
-            ep.understood.append(game.env.strategy_understood(strategies[k])
-                                 if game.two_player else True)
             said = game.two_player and args.agent == "base"  # the base agent's text is a move
             with game.env.utterance_moves() if said else contextlib.nullcontext():
                 step = game.step(moves[k])
-            ep.moves.append(moves[k] if len(moves[k]) <= 200 else moves[k][:200])
+            ep.moves.append(moves[k][:200])
             ep.invalid.append(bool(step.info.get("invalid", False)))
-            ep.env_return += float(step.reward)  # two-player: set from the payoffs below
+            ep.env_return += float(step.reward)
             ep.won = bool(step.info.get("success", False))
-    out = []
     for (g, p), ep in episodes.items():
         game, env = games[g], games[g].env
         ep.progress.append(game.progress(p))
         if game.two_player:
-            ep.score = float(env.scores()[p])
-            ep.outcome, ep.env_return, ep.won = ep.score / 10.0, float(env.payoffs()[p]), (
-                env.winner() == p)
-            ep.deal = env.deal_round is not None
+            ep.score, ep.won = float(env.scores()[p]), env.winner() == p
+            ep.outcome, ep.deal = ep.score / 10.0, env.deal_round is not None
         else:
+            reward = env.env_id in OUTCOME_FROM_REWARD
+            ep.outcome = ep.score = min(1.0, max(0.0, ep.env_return)) if reward else float(ep.won)
             ep.deal = ep.won
-            from_reward = env.env_id in OUTCOME_FROM_REWARD
-            ep.outcome = ep.score = (min(1.0, max(0.0, ep.env_return)) if from_reward
-                                     else float(ep.won))
-        out.append(ep)
-    return out
+    return list(episodes.values())
 
 
 def compute_advantages(episodes, args, signal=None):
-    """Episodes in, one Sample per strategist turn out with its weight in `adv`, and the credit
-    statistics that are logged. `signal`: the LLM PRM's critical marks, one per turn (`llm_prm`,
-    --prm llm); None: the rule PRM's marks from the episodes' progress (--prm rule) or none
-    (--prm none). Each episode records its marks and weights (`critical`, `weights`) for
-    samples.jsonl."""
-    if args.return_norm is None or args.prm_min_final is None:
-        raise ValueError("--return-norm and --prm-min-final are unresolved: call "
-                         "resolve_args(args, defaults) first")
+    """Episodes in, one Sample per strategist turn out (its EPO weight in `adv`), and the credit
+    statistics. `signal`: the LLM PRM's critical marks, one per turn (`llm_prm`); None: the rule
+    PRM's (--prm rule) or none (--prm none). Each episode records its marks and weights."""
     turns = [(ep, t) for ep in episodes for t in range(ep.length)]
-    if signal is None and args.prm == "llm":
-        raise ValueError("--prm llm: pass the LLM PRM's critical marks (llm_prm) as `signal`")
+    if args.return_norm is None or args.prm_min_final is None:
+        raise ValueError("--return-norm, --prm-min-final unresolved: call resolve_args first")
+    if (signal is None and args.prm == "llm") or (signal is not None and len(signal) != len(turns)):
+        raise ValueError("--prm llm: pass the LLM PRM's critical marks, one per turn, as `signal`")
     if signal is not None:
         critical = [bool(c) for c in signal]
-        if len(critical) != len(turns):
-            raise ValueError(f"`signal`: one critical mark per turn ({len(turns)}), got "
-                             f"{len(critical)}")
     elif args.prm == "rule":
         critical = [bool(c) for ep in episodes for c in rule_critical_turns(
             ep.progress, args.prm_top_k, args.prm_min_gain, args.prm_min_final)]
@@ -602,23 +566,137 @@ def compute_advantages(episodes, args, signal=None):
     adv = epo_advantages(traj=[ep.traj_id for ep, _ in turns], turn=[t for _, t in turns],
                          outcome=[ep.outcome for ep, _ in turns], critical=critical,
                          gamma=args.gamma, return_norm=args.return_norm, weights=args.weights)
+    ends = np.cumsum([ep.length for ep in episodes])
+    for ep, end in zip(episodes, ends):  # recorded for samples.jsonl
+        ep.critical, ep.weights = critical[end - ep.length:end], adv[end - ep.length:end].tolist()
     samples = [Sample(ep.prompts[t], ep.completions[t], ep.game_id, ep.traj_id, t, float(a))
                for (ep, t), a in zip(turns, adv)]
-    ends = np.cumsum([ep.length for ep in episodes])
-    for ep, end in zip(episodes, ends):
-        ep.critical, ep.weights = critical[end - ep.length:end], adv[end - ep.length:end].tolist()
-    trained = sum(1 for ep in episodes if ep.length and np.abs(np.asarray(ep.weights)).max() > 0)
-    return samples, {
-        "credit/critical_frac": float(sum(critical) / max(len(turns), 1)),
-        "credit/weight_mean": float(adv.mean()) if len(adv) else 0.0,
-        "credit/zero_weight_traj_frac": 1.0 - trained / max(len(episodes), 1),  # not trained on
-        "credit/outcome_mean": (float(np.mean([ep.outcome for ep in episodes])) if episodes
-                                else 0.0)}
+    trained = sum(1 for ep in episodes if any(w != 0 for w in ep.weights))
+    return samples, {"credit/critical_frac": float(sum(critical) / max(len(turns), 1)),
+                     "credit/weight_mean": float(adv.mean()) if len(adv) else 0.0,
+                     "credit/zero_weight_traj_frac": 1.0 - trained / max(len(episodes), 1)}
 
 
 # ----------------------------------------------------------------------------------------------
 # 4. Log-probs and loss
 # ----------------------------------------------------------------------------------------------
+# The LLM PRM (--prm llm), the model-side signal: the paper's appendix prompts, the answer's parser
+# and `llm_prm`, which asks the frozen base model for each trajectory's critical turns.
+PRM_SOCIAL = (
+    "Here's a conversation in JSON format between {a1} and {a2}:\n"
+    "In the first response from \"human\", you can find the context of the conversation and "
+    "{a1}'s goal.\n"
+    "In the other responses from \"human\", you can find the conversation history between {a1} "
+    "and {a2}.\n"
+    "In the responses from \"gpt\", you can find communication and social strategies that {a1} "
+    "used for achieving {a1}'s goal.\n"
+    "In the \"score\" field, you can find a score for evaluating {a1}'s goal achievement. The "
+    "score ranges from 0 and 10. 0 represents minimal goals achievement, 10 represents complete "
+    "goal achievement, and a higher score indicates that {a1} is making progress towards the "
+    "goal.\n\n{history}\n\n"
+    "Your task is to select top strategies {a1} used that were critically important for "
+    "achieving {a1}'s goal.\n\n")
+PRM_TASK = (
+    "Here's a conversation in JSON format between human and gpt.\n"
+    "In the first response from \"human\", you can find the {what} for gpt and Agent to {verb}.\n"
+    "In the responses from \"gpt\", you can find thoughts that gpt provides for helping Agent to "
+    "{verb} the {goal}.\n"
+    "In the other responses from \"human\", you can find the trajectories of Agent's actions and "
+    "the resulting observations from the environment.\n\n"
+    "In the \"score\" field, you can find a score evaluating the goal achievement. The score "
+    "ranges from 0 and 1. 0 represents minimal goals achievement, 1 represents complete goal "
+    "achievement.\n\n{history}\n\n"
+    "Your task is to select top thoughts gpt produced that were critically important for "
+    "{verb_ing} the {goal}.\n\n")
+PRM_OUTPUT = (  # how both prompts ask for the answer: {items} strategies or thoughts, for {aim}
+    "Please output the selected round indexes and the reasoning process that led you to the "
+    "selection in JSON format like this: {{\"indexes\": , \"reasoning\": \"\"}}.\n"
+    "Here is the output schema: {{\"properties\": {{\"indexes\": {{\"description\": \"the "
+    "selected top {items} that are critically important for {aim}\", \"title\": \"indexes\", "
+    "\"type\": \"list(integer)\"}}, \"reasoning\": {{\"description\": \"the reasoning process why "
+    "you select these {items}\", \"title\": \"reasoning\", \"type\": \"string\"}}}}, "
+    "\"required\": [\"indexes\", \"reasoning\"]}}.")
+PRM_TASK_WORDS = {  # env -> the words of PRM_TASK (None: any other single-agent env)
+    "webshop": dict(what="shopping goal", verb="achieve", verb_ing="achieving",
+                    goal="shopping goal"),
+    "alfworld": dict(what="initial environment observation and a household task",
+                     verb="accomplish", verb_ing="accomplishing", goal="household task"),
+    None: dict(what="task", verb="accomplish", verb_ing="accomplishing", goal="task"),
+}
+_JSON_OBJ = re.compile(r"\{.*?\}", re.DOTALL)
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def prm_prompt(ep: Episode, env_id: str, two_player: bool, other: str = ""):
+    """The paper's PRM prompt for one trajectory and the conversation position of each strategy:
+    human = what the strategist saw (the first with the context), gpt = its strategy (official)."""
+    conv = []
+    for t, (view, strategy) in enumerate(zip(ep.views, ep.strategies)):
+        human = f"{ep.context}\n{view}" if t == 0 else view
+        conv.append({"from": "human", "value": human, "index": 2 * t})
+        conv.append({"from": "gpt", "value": strategy, "index": 2 * t + 1})
+    history = json.dumps({"conversations": conv, "score": round(ep.score, 2)}, ensure_ascii=False)
+    if two_player:
+        text = PRM_SOCIAL.format(a1=ep.player, a2=other or "the other party", history=history)
+        items, aim = "strategies", f"achieving {ep.player}'s goal"
+    else:
+        words = PRM_TASK_WORDS.get(env_id, PRM_TASK_WORDS[None])
+        text = PRM_TASK.format(history=history, **words)
+        items, aim = "thoughts", f"{words['verb_ing']} the {words['goal']}"
+    return text + PRM_OUTPUT.format(items=items, aim=aim), [2 * t + 1 for t in range(ep.length)]
+
+
+def prm_indexes(text):
+    """The list "indexes" of the first `{...}` in a PRM answer (official: re `\\{.*?\\}`, control
+    characters removed) parsed as JSON; None when there is no such list."""
+    m = _JSON_OBJ.search(text) if isinstance(text, str) else None
+    try:
+        obj = json.loads(_CONTROL.sub("", m.group(0))) if m else None
+    except (ValueError, RecursionError):
+        return None
+    idx = obj.get("indexes") if isinstance(obj, dict) else None
+    return idx if isinstance(idx, list) else None
+
+
+def parse_prm_answer(text, turn_positions):
+    """Length-T bools: turn t is critical if its position turn_positions[t] is in the answer's
+    `prm_indexes`. Anything malformed (no list, non-integers, other positions) marks nothing."""
+    where = {int(p): t for t, p in enumerate(turn_positions)}
+    crit = [False] * len(turn_positions)
+    for v in prm_indexes(text) or []:
+        if isinstance(v, float) and math.isfinite(v) and v == int(v):
+            v = int(v)
+        if type(v) is int and v in where:  # not a bool, a string or a fraction
+            crit[where[v]] = True
+    return crit
+
+
+def llm_prm(model, tok, episodes, args, players):
+    """The critical marks of the frozen base model (adapters off), one per turn of every episode
+    (compute_advantages' `signal`), and the share of answers without an index list."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    prompts, positions = [], []
+    for ep in episodes:
+        other = [p for p in players if p != ep.player]
+        text, pos = prm_prompt(ep, args.env_id, len(players) > 1, other[0] if other else "")
+        ids = encode(tok, render_prompt(tok, [{"role": "user", "content": text}]))
+        room = limit - args.prm_max_new_tokens if limit else len(ids)
+        prompts.append(ids[max(0, len(ids) - room):])  # cut the start: the task and schema stay
+        positions.append(pos)
+    answers = []
+    model.eval()
+    for s in range(0, len(prompts), args.micro_batch_size):
+        with model.disable_adapter():
+            completions = generate(model, tok, prompts[s:s + args.micro_batch_size],
+                                   args.prm_temperature, args.prm_max_new_tokens)
+        answers += [tok.decode(c, skip_special_tokens=True) for c in completions]
+    for ep, answer in zip(episodes, answers):
+        ep.prm_answer = answer
+    marks = [c for a, pos in zip(answers, positions) for c in parse_prm_answer(a, pos)]
+    fails = sum(prm_indexes(a) is None for a in answers)
+    return marks, {"credit/prm_parse_fail_frac": fails / max(len(episodes), 1)}
+
+
 def completion_logprobs(model, tok, prompt_ids, completion_ids, temperature=1.0):
     """Per-token log-probs of the completions given the prompts, under softmax(logits / T), the
     sampling distribution: one left-padded forward with the active adapter (docs/design.md, "Shared
@@ -674,32 +752,26 @@ def lr_factor(step, total, warmup_ratio):
 
 
 def update(model, tok, optimizer, samples, args, rng):
-    """`num_epochs` passes over the trajectories (those with a non-zero weight),
-    `trajectories_per_step` per optimizer step; the step's loss is the mean of `epo_loss` over its
-    trajectories. Turns go through the model in micro-batches of `micro_batch_size`."""
+    """`num_epochs` passes over the trajectories with a non-zero weight, `trajectories_per_step` per
+    optimizer step (its loss: the mean of their `epo_loss`), turns in micro-batches."""
     by_traj = {}  # the samples of each trajectory, in turn order
     for x in samples:
         by_traj.setdefault(x.traj, []).append(x)
-    data = [turns for turns in by_traj.values()
-            if np.abs(np.asarray([x.adv for x in turns])).max() > 0]
-    stats = {"policy_loss": 0.0, "policy_loss_first_epoch": 0.0, "policy_loss_last_epoch": 0.0,
-             "grad_norm": 0.0, "optimizer_steps": 0}
+    data = [turns for turns in by_traj.values() if any(x.adv != 0 for x in turns)]
     if not data:
-        return stats
+        return {"policy_loss": 0.0, "grad_norm": 0.0, "optimizer_steps": 0}
     params = [p for group in optimizer.param_groups for p in group["params"]]
     per_step = max(1, args.trajectories_per_step)
     total = math.ceil(len(data) / per_step) * args.num_epochs  # optimizer steps (the lr schedule)
-    losses, grad_norms, epoch_losses = [], [], []
-    step = 0
+    losses, grad_norms = [], []
     model.train()
     for _ in range(args.num_epochs):
         order = rng.permutation(len(data))
-        epoch = []
         for s in range(0, len(order), per_step):
             batch = [data[i] for i in order[s:s + per_step]]
             turns = [(j, x) for j, trajectory in enumerate(batch) for x in trajectory]
             for group in optimizer.param_groups:
-                group["lr"] = args.learning_rate * lr_factor(step, total, args.warmup_ratio)
+                group["lr"] = args.learning_rate * lr_factor(len(losses), total, args.warmup_ratio)
             optimizer.zero_grad(set_to_none=True)
             loss_sum = 0.0
             for c in range(0, len(turns), args.micro_batch_size):
@@ -713,270 +785,67 @@ def update(model, tok, optimizer, samples, args, rng):
                     w = torch.tensor([chunk[r][1].adv for r in rows], dtype=lp.dtype,
                                      device=lp.device)
                     part = epo_loss(lp[rows], mask[rows], w)  # trajectory j's turns S in the chunk
-                    # (|S| / T) epo_loss(S) from each micro-batch sums to trajectory j's whole
-                    # epo_loss; the step's loss is the mean over its trajectories
+                    # (|S| / T) epo_loss(S) over the micro-batches sums to trajectory j's epo_loss
                     loss = loss + (len(rows) / len(batch[j])) * part / len(batch)
                 loss.backward()
                 loss_sum += float(loss.detach())
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)))
             optimizer.step()
-            step += 1
             losses.append(loss_sum)
-            grad_norms.append(float(grad_norm))
-            epoch.append(loss_sum)
-        epoch_losses.append(float(np.mean(epoch)))
     model.eval()
-    return {"policy_loss": float(np.mean(losses)), "policy_loss_first_epoch": epoch_losses[0],
-            "policy_loss_last_epoch": epoch_losses[-1], "grad_norm": float(np.mean(grad_norms)),
-            "optimizer_steps": step}
-
-
-# The LLM PRM (--prm llm): the paper's appendix prompts, the answer's parser and `llm_prm`, which
-# asks the frozen base model for each trajectory's critical turns (the kernel's `critical`).
-PRM_SOCIAL = (
-    "Here's a conversation in JSON format between {a1} and {a2}:\n"
-    "In the first response from \"human\", you can find the context of the conversation and "
-    "{a1}'s goal.\n"
-    "In the other responses from \"human\", you can find the conversation history between {a1} "
-    "and {a2}.\n"
-    "In the responses from \"gpt\", you can find communication and social strategies that {a1} "
-    "used for achieving {a1}'s goal.\n"
-    "In the \"score\" field, you can find a score for evaluating {a1}'s goal achievement. The "
-    "score ranges from 0 and 10. 0 represents minimal goals achievement, 10 represents complete "
-    "goal achievement, and a higher score indicates that {a1} is making progress towards the "
-    "goal.\n\n{history}\n\n"
-    "Your task is to select top strategies {a1} used that were critically important for "
-    "achieving {a1}'s goal.\n\n")
-PRM_TASK = (
-    "Here's a conversation in JSON format between human and gpt.\n"
-    "In the first response from \"human\", you can find the {what} for gpt and Agent to {verb}.\n"
-    "In the responses from \"gpt\", you can find thoughts that gpt provides for helping Agent to "
-    "{verb} the {goal}.\n"
-    "In the other responses from \"human\", you can find the trajectories of Agent's actions and "
-    "the resulting observations from the environment.\n\n"
-    "In the \"score\" field, you can find a score evaluating the goal achievement. The score "
-    "ranges from 0 and 1. 0 represents minimal goals achievement, 1 represents complete goal "
-    "achievement.\n\n{history}\n\n"
-    "Your task is to select top thoughts gpt produced that were critically important for "
-    "{verb_ing} the {goal}.\n\n")
-PRM_OUTPUT = (  # how both prompts ask for the answer: {items} strategies or thoughts, for {aim}
-    "Please output the selected round indexes and the reasoning process that led you to the "
-    "selection in JSON format like this: {{\"indexes\": , \"reasoning\": \"\"}}.\n"
-    "Here is the output schema: {{\"properties\": {{\"indexes\": {{\"description\": \"the "
-    "selected top {items} that are critically important for {aim}\", \"title\": \"indexes\", "
-    "\"type\": \"list(integer)\"}}, \"reasoning\": {{\"description\": \"the reasoning process why "
-    "you select these {items}\", \"title\": \"reasoning\", \"type\": \"string\"}}}}, "
-    "\"required\": [\"indexes\", \"reasoning\"]}}.")
-PRM_TASK_WORDS = {
-    "webshop": dict(what="shopping goal", verb="achieve", verb_ing="achieving",
-                    goal="shopping goal"),
-    "alfworld": dict(what="initial environment observation and a household task",
-                     verb="accomplish", verb_ing="accomplishing", goal="household task"),
-}
-
-_JSON_OBJ = re.compile(r"\{.*?\}", re.DOTALL)
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
-
-
-def prm_indexes(text):
-    """The list "indexes" of a PRM answer: the first `{...}` in `text` (official: re `\\{.*?\\}`,
-    control characters removed) parsed as JSON; None when there is no such list (no JSON, not a
-    dict, no list)."""
-    m = _JSON_OBJ.search(text) if isinstance(text, str) else None
-    if m is None:
-        return None
-    try:
-        obj = json.loads(_CONTROL.sub("", m.group(0)))
-    except (ValueError, RecursionError):
-        return None
-    idx = obj.get("indexes") if isinstance(obj, dict) else None
-    return idx if isinstance(idx, list) else None
-
-
-def parse_prm_answer(text, turn_positions):
-    """The PRM's critical turns from its answer: turn t is critical if its strategy's conversation
-    position turn_positions[t] is in the answer's `prm_indexes`. Anything malformed (no JSON, no
-    list, non-integers, positions of non-strategy messages) marks nothing: never raises. Returns
-    length-T bools."""
-    crit = [False] * len(turn_positions)
-    idx = prm_indexes(text)
-    if idx is None:
-        return crit
-    where = {int(p): t for t, p in enumerate(turn_positions)}
-    for v in idx:
-        if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
-                or v != int(v)):
-            continue
-        t = where.get(int(v))
-        if t is not None:
-            crit[t] = True
-    return crit
-
-
-def prm_prompt(ep: Episode, env_id: str, two_player: bool, other: str = ""):
-    """The paper's PRM prompt for one trajectory, and the conversation position of each strategy
-    turn. The conversation is the strategist's chat: human = what it saw (the first one with the
-    context and goal), gpt = its strategy; each entry carries its position "index" (official data
-    format)."""
-    conv = []
-    for t, (view, strategy) in enumerate(zip(ep.views, ep.strategies)):
-        human = f"{ep.context}\n{view}" if t == 0 else view
-        conv.append({"from": "human", "value": human, "index": len(conv)})
-        conv.append({"from": "gpt", "value": strategy, "index": len(conv)})
-    positions = [2 * t + 1 for t in range(ep.length)]
-    history = json.dumps({"conversations": conv, "score": round(ep.score, 2)}, ensure_ascii=False)
-    if two_player:
-        text = PRM_SOCIAL.format(a1=ep.player, a2=other or "the other party", history=history)
-        return text + PRM_OUTPUT.format(items="strategies",
-                                        aim=f"achieving {ep.player}'s goal"), positions
-    words = PRM_TASK_WORDS.get(env_id, dict(what="task", verb="accomplish",
-                                            verb_ing="accomplishing", goal="task"))
-    text = PRM_TASK.format(history=history, **words)
-    return text + PRM_OUTPUT.format(items="thoughts",
-                                    aim=f"{words['verb_ing']} the {words['goal']}"), positions
-
-
-def llm_prm(model, tok, episodes, args, players):
-    """Ask the frozen base model (adapters disabled) for each trajectory's critical turns; each
-    episode records the answer (`prm_answer`). Returns the critical marks, one per turn of every
-    episode in order (the `signal` of compute_advantages), and the PRM's credit statistics."""
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    prompts, positions = [], []
-    for ep in episodes:
-        other = [p for p in players if p != ep.player]
-        text, pos = prm_prompt(ep, args.env_id, len(players) > 1, other[0] if other else "")
-        ids = encode(tok, render_prompt(tok, [{"role": "user", "content": text}]))
-        if limit and len(ids) > limit - args.prm_max_new_tokens:  # keep the end: task and schema
-            ids = ids[len(ids) - (limit - args.prm_max_new_tokens):]
-        prompts.append(ids)
-        positions.append(pos)
-    answers = []
-    model.eval()
-    for s in range(0, len(prompts), args.micro_batch_size):
-        with model.disable_adapter():
-            completions = generate(model, tok, prompts[s:s + args.micro_batch_size],
-                                   args.prm_temperature, args.prm_max_new_tokens)
-        answers += [decode(tok, c) for c in completions]
-    for ep, answer in zip(episodes, answers):
-        ep.prm_answer = answer
-    marks = [c for a, pos in zip(answers, positions) for c in parse_prm_answer(a, pos)]
-    fails = sum(1 for a in answers if prm_indexes(a) is None)
-    return marks, {"credit/prm_parse_fail_frac": fails / max(len(episodes), 1)}
+    return {"policy_loss": float(np.mean(losses)), "grad_norm": float(np.mean(grad_norms)),
+            "optimizer_steps": len(losses)}
 
 
 # ----------------------------------------------------------------------------------------------
-# 5. Evaluation, logging and checkpoints
+# 5. Evaluation
 # ----------------------------------------------------------------------------------------------
-def trajectory_stats(episodes):
-    """Goal score (env scale), deal rate, win rate, outcome (return in [0, 1]), turns, invalid and
-    not-understood rates of a list of trajectories."""
-    if not episodes:
-        return {}
-    n_turns = sum(ep.length for ep in episodes)
-    return {
-        "goal_score": float(np.mean([ep.score for ep in episodes])),
-        "deal_rate": float(np.mean([ep.deal for ep in episodes])),
-        "win_rate": float(np.mean([ep.won for ep in episodes])),
-        "outcome": float(np.mean([ep.outcome for ep in episodes])),
-        "env_return": float(np.mean([ep.env_return for ep in episodes])),
-        "episode_length": float(np.mean([ep.length for ep in episodes])),
-        "invalid_rate": float(sum(sum(ep.invalid) for ep in episodes) / max(n_turns, 1)),
-        "strategy_understood_rate": float(sum(sum(ep.understood) for ep in episodes)
-                                          / max(n_turns, 1)),
-    }
-
-
-def episode_record(ep: Episode, tag: str) -> dict:
-    turns = []
-    for t in range(ep.length):
-        turns.append({"strategy": ep.strategies[t], "move": ep.moves[t], "invalid": ep.invalid[t],
-                      "progress_before": ep.progress[t],
-                      "critical": bool(ep.critical[t]) if len(ep.critical) > t else None,
-                      "weight": float(ep.weights[t]) if len(ep.weights) > t else None})
-    record = {"tag": tag, "task": ep.task_id, "player": ep.player, "opponent": ep.opponent,
-              "score": ep.score, "deal": ep.deal, "won": ep.won,
-              "final_progress": ep.progress[-1] if ep.progress else None, "turns": turns}
-    if ep.prm_answer:
-        record["prm_answer"] = ep.prm_answer[:500]
-    return record
-
-
 def evaluate(model, tok, new_env, tasks, players, styles, args, real):
-    """Two-player: each test task in each role against every scripted style (sampled at
-    eval_temperature and greedy), plus self-chat; single-agent: each test task (sampled and
-    greedy). The sampled games draw common random numbers keyed by (seed, stream, game), the same
-    in every evaluation of the run (and in every run of the seed), so `write_summary` pairs the
-    first and the last evaluation game by game (eval/goal_score_episodes). Returns (row,
-    records)."""
-    row, records = {}, []
+    """Each test task in each role against every scripted style (single agent: each task), sampled
+    (common random numbers of (seed, 0, game)) and greedily; self-chat too with --eval-selfplay."""
     specs = ([(task, role, style) for style in styles for role in players for task in tasks]
              if styles else [(task, "agent", "") for task in tasks])
 
-    def build():
+    def games():
         return [new_env(task, {p: "policy" if p == role else style for p in players})
                 for task, role, style in specs]
-    sampled = rollout(model, tok, build(), args, args.eval_temperature, real=real,
+    sampled = rollout(model, tok, games(), args, args.eval_temperature, real=real,
                       noise_keys=[(args.seed, 0, i) for i in range(len(specs))])
-    greedy = rollout(model, tok, build(), args, 0.0, greedy=True, real=real)
-    for key, v in trajectory_stats(sampled).items():
-        row[f"eval/{key}"] = v
-    row["eval/success"] = row["eval/win_rate"]
-    row["eval/return"] = row["eval/outcome"]
-    row["eval/goal_score_se"] = mean_se([ep.score for ep in sampled])[1]
-    row["eval/goal_score_episodes"] = [float(ep.score) for ep in sampled]
-    row["eval/win_rate_se"] = row["eval/success_se"] = mean_se([ep.won for ep in sampled])[1]
-    greedy_stats = trajectory_stats(greedy)
-    row["eval/success_greedy"] = greedy_stats["win_rate"]
-    row["eval/goal_score_greedy"] = greedy_stats["goal_score"]
-    row["eval/deal_rate_greedy"] = greedy_stats["deal_rate"]
-    for style in styles:
-        for role in players:
-            sub = [ep for ep in sampled if ep.opponent == style and ep.player == role]
-            for key in ("goal_score", "deal_rate", "win_rate"):
-                row[f"eval/vs_{style}/{role}/{key}"] = trajectory_stats(sub)[key]
-    records += [episode_record(ep, "eval_sampled") for ep in sampled[: args.num_logged_episodes]]
-    if styles and args.eval_selfplay:
+    greedy = rollout(model, tok, games(), args, 0.0, greedy=True, real=real)
+    scores, won = [float(ep.score) for ep in sampled], [ep.won for ep in sampled]
+    row = {"eval/goal_score": mean_se(scores)[0], "eval/goal_score_se": mean_se(scores)[1],
+           "eval/goal_score_episodes": scores, "eval/success": mean_se(won)[0],
+           "eval/success_se": mean_se(won)[1],
+           "eval/deal_rate": float(np.mean([ep.deal for ep in sampled])),
+           "eval/goal_score_greedy": float(np.mean([ep.score for ep in greedy])),
+           "eval/success_greedy": float(np.mean([ep.won for ep in greedy]))}
+    if styles and args.eval_selfplay:  # both roles the strategist; keys (seed, 1, game)
         selfplay = rollout(model, tok, [new_env(task, {p: "policy" for p in players})
                                         for task in tasks], args, args.eval_temperature, real=real,
                            noise_keys=[(args.seed, 1, i) for i in range(len(tasks))])
-        for key, v in trajectory_stats(selfplay).items():
-            if key in ("goal_score", "deal_rate", "episode_length"):
-                row[f"eval/selfplay_{key}"] = v
-        records += [episode_record(ep, "eval_selfplay") for ep in selfplay[:2]]
-    return row, records
+        row["eval/selfplay_goal_score"] = float(np.mean([ep.score for ep in selfplay]))
+        row["eval/selfplay_deal_rate"] = float(np.mean([ep.deal for ep in selfplay]))
+    return row, sampled[: args.num_logged_episodes]
 
 
-def iteration_row(episodes, samples, ustats, cstats, seconds):
-    """One iteration's metrics: training trajectories, losses, credit statistics, seconds per
-    phase."""
-    row = {f"charts/{key}": v for key, v in trajectory_stats(episodes).items()}
-    row.update({
-        "charts/success": row.get("charts/win_rate", 0.0),
-        "charts/return": row.get("charts/outcome", 0.0),
-        **{f"losses/{k}": v for k, v in ustats.items()},
-        **cstats,
-        **{f"perf/{k}_seconds": v for k, v in seconds.items()},
-        "perf/tokens_per_second": sum(len(x.completion) for x in samples) / max(seconds["rollout"],
-                                                                                 1e-9),
-        "perf/samples": len(samples),
-    })
-    if torch.cuda.is_available():
-        row["perf/peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
-    return row
+def episode_record(ep: Episode, tag: str) -> dict:
+    """One decoded trajectory for samples.jsonl: its strategies, moves and credit."""
+    crit, weights = ep.critical or [None] * ep.length, ep.weights or [None] * ep.length
+    turns = [{"strategy": s, "move": m, "invalid": i, "progress_before": p, "critical": c,
+              "weight": w} for s, m, i, p, c, w in zip(ep.strategies, ep.moves, ep.invalid,
+                                                        ep.progress, crit, weights)]
+    return {"tag": tag, "task": ep.task_id, "player": ep.player, "opponent": ep.opponent,
+            "score": ep.score, "deal": ep.deal, "won": ep.won, "final_progress": ep.progress[-1],
+            "turns": turns, **({"prm_answer": ep.prm_answer[:500]} if ep.prm_answer else {})}
 
 
-def start_run(args, extra):
-    """The run directory, its config.json (every Args field as resolved, and `extra`), a Logger.
-    With --resume: the run's own directory, its config.json as written when it started."""
-    if args.resume:
-        print(f"run dir: {args.resume} (resumed)")
-        return Path(args.resume), Logger(Path(args.resume), args.track)
-    name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_dir = Path(args.output_dir) / name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    print(f"run dir: {run_dir}")
-    (run_dir / "config.json").write_text(json.dumps({**asdict(args), **extra}, indent=2))
-    return run_dir, Logger(run_dir, args.track)
+def mean_se(values) -> tuple[float, float]:
+    """Mean and standard error (scipy.stats.sem: sample std / sqrt(n); 0 for fewer than two values)
+    of per-episode values; for success flags the rate p and about sqrt(p (1 - p) / n)."""
+    x = np.asarray(values, dtype=np.float64)
+    if x.size < 2:
+        return (float(x.mean()) if x.size else 0.0), 0.0
+    return float(x.mean()), float(scipy.stats.sem(x))
 
 
 def eval_line(it, ev):
@@ -1003,13 +872,127 @@ def write_summary(run_dir, args, wall_seconds, first_eval, last_eval, metric, **
     return summary
 
 
-def mean_se(values) -> tuple[float, float]:
-    """Mean and standard error (scipy.stats.sem: sample std / sqrt(n); 0 for fewer than two values)
-    of per-episode values; for success flags the rate p and about sqrt(p (1 - p) / n)."""
-    x = np.asarray(values, dtype=np.float64)
-    if x.size < 2:
-        return (float(x.mean()) if x.size else 0.0), 0.0
-    return float(x.mean()), float(scipy.stats.sem(x))
+# ----------------------------------------------------------------------------------------------
+# 6. Logging, checkpoints and the main loop
+# ----------------------------------------------------------------------------------------------
+def make_env(args):
+    """The env factory `new_env(task, seats)` (an `envs.Seated` game reset to `task`), a probe, the
+    policy's model-dependent defaults and the env options; user errors -> UserError."""
+    import envs
+    from common.models import UserError, policy_defaults
+    from common.tiny import strategist_overrides
+
+    if args.env_id not in envs.available():
+        raise UserError(f"env {args.env_id!r} is not available in this checkout; available env "
+                        f"ids: {', '.join(envs.available()) or 'none'}")
+    two_player, strategy_moves = args.env_id in envs.TWO_PLAYER, args.env_id in envs.STRATEGY_MOVES
+    defaults = policy_defaults(args.model_name, args.env_id, args.tiny_preset,
+                               strategist_overrides(args.env_id),
+                               learning_rate=PRESETS["real"]["learning_rate"],
+                               max_new_tokens=PRESETS["real"]["max_new_tokens"],
+                               tiny_learning_rate=PRESETS["tiny"]["learning_rate"])
+    kw = dict(defaults.env_kwargs)  # a tiny policy's recipe options: the prompts it was trained on
+    if strategy_moves:
+        kw["moves"] = "strategy"
+        if not defaults.is_tiny:  # the paper's strategist reads the whole game (the view: 4 moves)
+            kw.setdefault("history", None)
+    if args.history is not None:
+        kw["history"] = args.history
+    try:
+        probe = envs.make(args.env_id, **kw)
+        probe.reset(probe.task_ids("test")[0])
+    except ValueError as e:
+        raise UserError(f"env {args.env_id!r}: {e}") from None
+    styles = probe.opponent_styles() if two_player else []
+    opponent = "self" if args.train_opponent is None else args.train_opponent  # None: PRESETS
+    style = opponent.split(":", 1)[1] if opponent.startswith("rule:") else None
+    if args.agent == "rule" and not strategy_moves:
+        raise UserError(f"--agent rule needs an env with a strategy-following rule agent "
+                        f"(negotiation); {args.env_id!r} has none: use --agent base")
+    if opponent != "self" and not two_player:
+        raise UserError("--train-opponent applies to two-player games only")
+    if opponent != "self" and (style is None or (style != "any" and style not in styles)):
+        raise UserError(f"--train-opponent must be 'self', 'rule:any' or 'rule:<style>' with "
+                        f"a style in {', '.join(styles)}; got {opponent!r}")
+    bad = [s for s in args.eval_opponents if s not in styles]
+    if bad:
+        raise UserError(f"--eval-opponents: unknown style(s) {bad}; known: "
+                        f"{', '.join(styles) or 'none (single agent)'}")
+
+    def new_env(task, seats):
+        return envs.Seated(envs.make(args.env_id, **kw), seats).reset(task)
+
+    return new_env, probe, defaults, kw
+
+
+def resolve_args(args, defaults):
+    """`args` with the options left at None filled in (PRESETS; the learning rate and the strategy
+    budget through `defaults`): the values the run uses and config.json records."""
+    import envs
+
+    preset = PRESETS["tiny" if defaults.is_tiny else "real"]
+    game = PRESETS["tiny" if defaults.is_tiny and args.env_id in envs.TWO_PLAYER else "real"]
+    budgets = ("agent_max_new_tokens", "prm_max_new_tokens", "micro_batch_size")
+    return fill_defaults(args, {
+        "learning_rate": defaults.learning_rate, "max_new_tokens": defaults.max_new_tokens,
+        **{k: preset[k] for k in budgets}, **{k: game[k] for k in GAME_OPTIONS}})
+
+
+def check_args(args):
+    """User errors in the resolved arguments -> UserError, one line that says what to do."""
+    from common.models import UserError
+
+    if args.num_iterations < 0 or args.episodes_per_iteration < 1 or args.num_epochs < 1:
+        raise UserError("--num-iterations must be >= 0, --episodes-per-iteration and "
+                        "--num-epochs >= 1")
+    if not 0.0 < args.gamma <= 1.0:
+        raise UserError("--gamma must be in (0, 1]")
+    if min(args.micro_batch_size, args.trajectories_per_step) < 1 or args.eval_num_tasks < 0:
+        raise UserError("--micro-batch-size and --trajectories-per-step must be >= 1, "
+                        "--eval-num-tasks >= 0")
+    if not 0.0 <= args.prm_min_final <= 1.0:
+        raise UserError("--prm-min-final must be in [0, 1] (the env's progress scale)")
+
+
+def fill_defaults(args, values):
+    """`args` with each option left at None set from `values` (PRESETS, the policy's defaults)."""
+    return dataclasses.replace(args, **{k: v for k, v in values.items()
+                                        if getattr(args, k) is None})
+
+
+def seed_everything(seed):
+    """Seeds python, numpy and torch; returns the numpy generator of the run's tasks and batches."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    return np.random.default_rng(seed)
+
+
+def resumed_args(args):
+    """--resume RUN_DIR: the arguments that run started with (its config.json), to go on with it."""
+    from common.models import UserError
+
+    run_dir = Path(args.resume)
+    if not (run_dir / "checkpoint.pt").is_file():
+        raise UserError(f"--resume {run_dir}: no checkpoint.pt there (a run writes one every "
+                        "--checkpoint-every iterations); pass a run that reached its first one")
+    saved = json.loads((run_dir / "config.json").read_text())
+    names = {f.name for f in dataclasses.fields(args)} - {"resume"}
+    return dataclasses.replace(args, **{k: v for k, v in saved.items() if k in names})
+
+
+def start_run(args, extra):
+    """The run directory, its config.json (every Args field as resolved, and `extra`), a Logger.
+    With --resume: the run's own directory, its config.json as written when it started."""
+    if args.resume:
+        print(f"run dir: {args.resume} (resumed)")
+        return Path(args.resume), Logger(Path(args.resume), args.track)
+    name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_dir = Path(args.output_dir) / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    print(f"run dir: {run_dir}")
+    (run_dir / "config.json").write_text(json.dumps({**asdict(args), **extra}, indent=2))
+    return run_dir, Logger(run_dir, args.track)
 
 
 class Logger:
@@ -1045,25 +1028,6 @@ class Logger:
 
 def save_adapter(model, run_dir: Path):
     model.save_pretrained(str(run_dir / "adapter"))
-
-
-def resumed_args(args):
-    """--resume RUN_DIR: the arguments that run started with (its config.json), to go on with it."""
-    from common.models import UserError
-
-    run_dir = Path(args.resume)
-    if not (run_dir / "checkpoint.pt").is_file():
-        raise UserError(f"--resume {run_dir}: no checkpoint.pt there (a run writes one every "
-                        "--checkpoint-every iterations); pass a run that reached its first one")
-    saved = json.loads((run_dir / "config.json").read_text())
-    names = {f.name for f in dataclasses.fields(args)} - {"resume"}
-    return dataclasses.replace(args, **{k: v for k, v in saved.items() if k in names})
-
-
-def fill_defaults(args, values):
-    """`args` with each option left at None set from `values` (PRESETS, the policy's defaults)."""
-    return dataclasses.replace(args, **{k: v for k, v in values.items()
-                                        if getattr(args, k) is None})
 
 
 def save_checkpoint(run_dir: Path, it, model, optimizers, rng, evals, extra=None):
@@ -1105,137 +1069,10 @@ def load_checkpoint(run_dir: Path, model, optimizers, rng):
     return ck["iteration"], ck["evals"], ck["extra"]
 
 
-# ----------------------------------------------------------------------------------------------
-# 6. Main loop
-# ----------------------------------------------------------------------------------------------
-def tiny_overrides(env_id):
-    """The tiny policy's recipe overrides: an env whose moves can be strategies (negotiation) is
-    played with `moves="strategy"`, and its tiny policy is built from the expert's strategies in
-    that mode, with every past move in the prompt (`history=None`: the opening that gives a scripted
-    style away stays in view) and 30 % of the demonstration episodes played by the style-aware
-    expert (docs/epo.md); else None."""
-    import envs
-
-    if env_id not in envs.STRATEGY_MOVES:
-        return None
-    return {"env_kwargs": {"moves": "strategy", "history": None},
-            "demo_mix": {"share": 0.3, "env_kwargs": {"expert": "style"}}}
-
-
-def make_env(args):
-    """The env factory `new_env` (user errors -> UserError), one probe instance, the policy's
-    model-dependent defaults (`policy_defaults`) and the env options. `new_env(task, seats)` builds
-    the env as an `envs.Seated` game with those seats, reset to `task`."""
-    import envs
-    from common.models import UserError, policy_defaults
-
-    if args.env_id not in envs.available():
-        raise UserError(f"env {args.env_id!r} is not available in this checkout; available env "
-                        f"ids: {', '.join(envs.available()) or 'none'}")
-    two_player = args.env_id in envs.TWO_PLAYER
-    strategy_moves = args.env_id in envs.STRATEGY_MOVES
-    # a tiny policy was trained on prompts rendered with its recipe's env options: use the same ones
-    defaults = policy_defaults(args.model_name, args.env_id, args.tiny_preset,
-                               tiny_overrides(args.env_id),
-                               learning_rate=PRESETS["real"]["learning_rate"],
-                               max_new_tokens=PRESETS["real"]["max_new_tokens"],
-                               tiny_learning_rate=PRESETS["tiny"]["learning_rate"])
-    kw = dict(defaults.env_kwargs)
-    if strategy_moves:
-        kw["moves"] = "strategy"
-        if not defaults.is_tiny:  # the paper's strategist reads the whole game (the view: 4 moves)
-            kw.setdefault("history", None)
-    if args.history is not None:
-        kw["history"] = args.history
-    try:
-        probe = envs.make(args.env_id, **kw)
-        probe.reset(probe.task_ids("test")[0])
-    except ValueError as e:
-        raise UserError(f"env {args.env_id!r}: {e}") from None
-    if args.agent == "rule" and not strategy_moves:
-        raise UserError(f"--agent rule needs an env with a strategy-following rule agent "
-                        f"(negotiation); {args.env_id!r} has none: use --agent base")
-    styles = probe.opponent_styles() if two_player else []
-    opponent = args.train_opponent  # None resolves to 'self' or 'rule:any' (PRESETS): valid
-    if opponent not in (None, "self"):
-        style = opponent.split(":", 1)[1] if opponent.startswith("rule:") else None
-        if not two_player:
-            raise UserError("--train-opponent applies to two-player games only")
-        if style is None or (style != "any" and style not in styles):
-            raise UserError(f"--train-opponent must be 'self', 'rule:any' or 'rule:<style>' with "
-                            f"a style in {', '.join(styles)}; got {opponent!r}")
-    bad = [s for s in args.eval_opponents if s not in styles]
-    if bad:
-        raise UserError(f"--eval-opponents: unknown style(s) {bad}; known: "
-                        f"{', '.join(styles) or 'none (single agent)'}")
-
-    def new_env(task, seats):
-        return envs.Seated(envs.make(args.env_id, **kw), seats).reset(task)
-
-    return new_env, probe, defaults, kw
-
-
-def resolve_args(args, defaults):
-    """`args` with every option left at None filled in (PRESETS, through `defaults` for the
-    learning rate and the strategy budget): the values the run uses and config.json records."""
-    import envs
-
-    preset = PRESETS["tiny" if defaults.is_tiny else "real"]
-    # the tiny strategist's training setting needs a two-player game (scripted styles to play)
-    game = PRESETS["tiny" if defaults.is_tiny and args.env_id in envs.TWO_PLAYER else "real"]
-    filled = dict(learning_rate=defaults.learning_rate, max_new_tokens=defaults.max_new_tokens,
-                  agent_max_new_tokens=preset["agent_max_new_tokens"],
-                  prm_max_new_tokens=preset["prm_max_new_tokens"],
-                  micro_batch_size=preset["micro_batch_size"],
-                  **{k: game[k] for k in GAME_OPTIONS})
-    return dataclasses.replace(args, **{k: v for k, v in filled.items()
-                                        if getattr(args, k) is None})
-
-
-def check_args(args):
-    """User errors in the (resolved) arguments -> UserError, one line that says what to do."""
-    from common.models import UserError
-
-    rules = [
-        (args.num_iterations >= 0 and args.episodes_per_iteration >= 1 and args.num_epochs >= 1,
-         "--num-iterations must be >= 0, --episodes-per-iteration and --num-epochs >= 1"),
-        (0.0 < args.gamma <= 1.0, "--gamma must be in (0, 1]"),
-        (min(args.micro_batch_size, args.trajectories_per_step) >= 1 and args.eval_num_tasks >= 0,
-         "--micro-batch-size and --trajectories-per-step must be >= 1, --eval-num-tasks >= 0"),
-        (0.0 <= args.prm_min_final <= 1.0,
-         "--prm-min-final must be in [0, 1] (the env's progress scale)"),
-    ]
-    for ok, message in rules:
-        if not ok:
-            raise UserError(message)
-
-
-def training_games(new_env, tasks, players, styles, args, rng):
-    """One game per task, with its seats: the policy in every seat (a single-agent env's one seat,
-    or self-chat with `--train-opponent self`), or the policy in one role, alternating, against a
-    scripted style (`rule:<style>`; `rule:any` draws one per game)."""
-    games = []
-    for n, task in enumerate(tasks):
-        seats = {p: "policy" for p in players}
-        if args.train_opponent != "self":
-            style = args.train_opponent.split(":", 1)[1]
-            style = styles[int(rng.integers(len(styles)))] if style == "any" else style
-            seats.update({p: style for p in players if p != players[n % len(players)]})
-        games.append(new_env(task, seats))
-    return games
-
-
-def seed_everything(seed):
-    """Seeds python, numpy and torch; returns the numpy generator of the run's tasks and batches."""
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    return np.random.default_rng(seed)
-
-
 def main(args: Args):
     import envs
     from common.models import load_policy
+    from common.tiny import strategist_overrides
 
     t_start = time.time()
     if args.resume:
@@ -1252,37 +1089,30 @@ def main(args: Args):
     train_tasks = list(probe.task_ids("train"))
     test_tasks = list(probe.task_ids("test"))[: args.eval_num_tasks or None]  # 0: all of them
     real = not defaults.is_tiny  # an instruct strategist: its own prompts (strategist_messages)
-
     model, tok = load_policy(args.model_name, env_id=args.env_id, tiny_preset=args.tiny_preset,
                              load_in_4bit=args.load_in_4bit, lora_r=args.lora_r,
                              lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                              activation_checkpointing=args.activation_checkpointing,
-                             tiny_overrides=(tiny_overrides(args.env_id)
-                                             if args.model_name == "tiny" else None))
+                             tiny_overrides=strategist_overrides(args.env_id))
     params = [p for p in model.parameters() if p.requires_grad]
     run_dir, logger = start_run(args, {"env_kwargs": env_kwargs})
 
     def run_eval(it):
         t0 = time.time()
-        row, records = evaluate(model, tok, new_env, test_tasks, players,
-                                list(args.eval_opponents) or styles, args, real)
+        row, logged = evaluate(model, tok, new_env, test_tasks, players,
+                               list(args.eval_opponents) or styles, args, real)
         row["perf/eval_seconds"] = time.time() - t0
-        logger.log_samples(it, records)
+        logger.log_samples(it, [episode_record(ep, "eval_sampled") for ep in logged])
         tqdm.write(eval_line(it, row))
         return row
-
-    def eval_point(it, ev):  # the eval/ numbers of the summary's eval_history
-        return {"iteration": it, **{k: v for k, v in ev.items()
-                                    if k.startswith("eval/") and "/vs_" not in k}}
 
     start = 0
     if args.resume:  # no optimizer to restore: each iteration makes a fresh one
         start, (first_eval, last_eval), state = load_checkpoint(run_dir, model, {}, rng)
-        history, next_traj_id = state["history"], state["next_traj_id"]
+        next_traj_id = state["next_traj_id"]
     else:
         first_eval = last_eval = run_eval(0)
         logger.log(0, first_eval)
-        history = [eval_point(0, first_eval)]
         next_traj_id = 0
 
     bar = tqdm(range(start + 1, args.num_iterations + 1), desc="epo", dynamic_ncols=True)
@@ -1295,43 +1125,46 @@ def main(args: Args):
         episodes = rollout(model, tok, games, args, args.temperature, first_traj_id=next_traj_id,
                            real=real)
         next_traj_id += len(episodes)
-        seconds = {"rollout": time.time() - t0}
-
         t1 = time.time()  # process rewards (critical turns) -> per-turn weights
         marks, prm_stats = (llm_prm(model, tok, episodes, args, players) if args.prm == "llm"
                             else (None, {}))
         samples, cstats = compute_advantages(episodes, args, signal=marks)
-        cstats.update(prm_stats)
-        seconds["credit"] = time.time() - t1
-
-        t2 = time.time()
-        # a fresh optimizer each iteration: every self-play round is a new fine-tuning (official)
+        t2 = time.time()  # a fresh optimizer each iteration: each round is a new fine-tuning
         optimizer = torch.optim.AdamW(params, lr=args.learning_rate, betas=(0.9, 0.999),
                                       weight_decay=args.weight_decay)
         ustats = update(model, tok, optimizer, samples, args, rng)
-        seconds["update"] = time.time() - t2
-        seconds["iteration"] = time.time() - t0
-
-        row = iteration_row(episodes, samples, ustats, cstats, seconds)
+        t3 = time.time()
+        row = {"charts/goal_score": float(np.mean([ep.score for ep in episodes])),
+               "charts/success": float(np.mean([ep.won for ep in episodes])),
+               "charts/deal_rate": float(np.mean([ep.deal for ep in episodes])),
+               "charts/episode_length": float(np.mean([ep.length for ep in episodes])),
+               "charts/invalid_rate": float(sum(sum(ep.invalid) for ep in episodes)
+                                            / max(sum(ep.length for ep in episodes), 1)),
+               **{f"losses/{k}": v for k, v in ustats.items()}, **cstats, **prm_stats,
+               "perf/rollout_seconds": t1 - t0, "perf/credit_seconds": t2 - t1,
+               "perf/update_seconds": t3 - t2, "perf/iteration_seconds": t3 - t0,
+               "perf/tokens_per_second": (sum(len(x.completion) for x in samples)
+                                          / max(t1 - t0, 1e-9)),
+               "perf/samples": len(samples)}
+        if torch.cuda.is_available():
+            row["perf/peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
         logger.log_samples(it, [episode_record(ep, "train")
                                 for ep in episodes[: args.num_logged_episodes]])
         if (args.eval_every and it % args.eval_every == 0) or it == args.num_iterations:
             last_eval = run_eval(it)
             row.update(last_eval)
-            history.append(eval_point(it, last_eval))
         logger.log(it, row)
         if args.checkpoint_every and it % args.checkpoint_every == 0:
             save_checkpoint(run_dir, it, model, {}, rng, (first_eval, last_eval),
-                            {"history": history, "next_traj_id": next_traj_id})
+                            {"next_traj_id": next_traj_id})
             if args.save_model:
                 save_adapter(model, run_dir)
         bar.set_postfix(score=f"{row['charts/goal_score']:.2f}",
-                        reward=f"{row['charts/return']:.2f}",
                         loss=f"{row['losses/policy_loss']:.3f}")
     if args.save_model:
         save_adapter(model, run_dir)
     return write_summary(run_dir, args, time.time() - t_start, first_eval, last_eval,
-                         "eval/goal_score", eval_history=history)
+                         "eval/goal_score")
 
 
 if __name__ == "__main__":

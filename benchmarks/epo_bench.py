@@ -8,7 +8,8 @@ strategist, several seeds; writes a markdown table and a plot to docs/.
 Every run is `epo.py` as a subprocess with one torch thread: the same seeds, budget and evaluation for
 the three variants (only `--prm` / `--weights` differ). The evaluation plays each test task in both
 roles against every scripted style after every iteration; the table gives the goal score (0-10) per
-iteration, mean and [min, max] over seeds.
+iteration, mean and [min, max] over seeds, and per scripted style and role (`per_opponent`, from the
+evaluation's per-game goal scores).
 """
 
 from __future__ import annotations
@@ -60,6 +61,26 @@ def load_runs(out_dir):
     return runs
 
 
+def per_opponent(cfg, ev):
+    """The sampled evaluation's goal score per (scripted style, role) of a run (its config.json and an
+    evaluation row), from `eval/goal_score_episodes`: epo.py's `evaluate` plays the test tasks style by
+    style (`--eval-opponents`, else the game's styles), role by role (the game's players). Runs written
+    before that list was logged carry the cells themselves (`eval/vs_<style>/<role>/goal_score`)."""
+    import envs
+
+    scores = ev.get("eval/goal_score_episodes")
+    if scores is None or cfg["env_id"] not in envs.TWO_PLAYER:
+        return {tuple(k.split("/")[1:3]): v for k, v in ev.items()
+                if k.startswith("eval/vs_") and k.endswith("/goal_score")}
+    probe = envs.make(cfg["env_id"], **cfg.get("env_kwargs", {}))
+    cells = [(f"vs_{style}", role) for style in (cfg.get("eval_opponents") or probe.opponent_styles())
+             for role in probe.players]
+    n = len(scores) // len(cells)
+    if n * len(cells) != len(scores):
+        raise ValueError(f"{len(scores)} evaluation games do not split into {len(cells)} (style, role) cells")
+    return {cell: float(np.mean(scores[k * n:(k + 1) * n])) for k, cell in enumerate(cells)}
+
+
 def fmt(vals, digits=2):
     v = np.asarray([x for x in vals if x is not None], dtype=float)
     if not len(v):
@@ -87,21 +108,22 @@ def report(runs, out_md, out_png, cmd_line, wall):
     lines += ["", "After training (last evaluation):", "",
               "| method | goal score | deal rate | win rate | greedy goal score | self-chat goal score | self-chat deal rate |",
               "|---|---|---|---|---|---|---|"]
-    keys = ["eval/goal_score", "eval/deal_rate", "eval/win_rate", "eval/goal_score_greedy", "eval/selfplay_goal_score",
+    keys = ["eval/goal_score", "eval/deal_rate", "eval/success", "eval/goal_score_greedy", "eval/selfplay_goal_score",
             "eval/selfplay_deal_rate"]
     for v in variants:
         evs = [runs[(v, s)][2]["last_eval"] for s in seeds if (v, s) in runs]
         lines.append(f"| {VARIANTS[v][1]} | " + " | ".join(fmt([e.get(k) for e in evs]) for k in keys) + " |")
-    styles = sorted({k.split("/")[1][3:] for _, _, s in runs.values() for k in s["last_eval"] if k.startswith("eval/vs_")})
-    roles = sorted({k.split("/")[2] for _, _, s in runs.values() for k in s["last_eval"] if k.startswith("eval/vs_")})
+    cells = {key: per_opponent(cfg, s["last_eval"]) for key, (cfg, _, s) in runs.items()}
+    styles = sorted({st[3:] for c in cells.values() for st, _ in c})
+    roles = sorted({r for c in cells.values() for _, r in c})
     if styles:
         lines += ["", "Goal score after training, per scripted opponent and role:", "",
                   "| method | " + " | ".join(f"{st} / {r}" for st in styles for r in roles) + " |",
                   "|" + "---|" * (len(styles) * len(roles) + 1)]
         for v in variants:
-            evs = [runs[(v, s)][2]["last_eval"] for s in seeds if (v, s) in runs]
+            evs = [cells[(v, s)] for s in seeds if (v, s) in runs]
             lines.append(f"| {VARIANTS[v][1]} | " + " | ".join(
-                fmt([e.get(f"eval/vs_{st}/{r}/goal_score") for e in evs]) for st in styles for r in roles) + " |")
+                fmt([e.get((f"vs_{st}", r)) for e in evs]) for st in styles for r in roles) + " |")
     lines += ["", "Training episodes (self-chat), mean over the last 3 iterations:", "",
               "| method | goal score | deal rate | critical turns | trajectories with zero weight |", "|---|---|---|---|---|"]
     for v in variants:
@@ -173,10 +195,10 @@ def main():
     cmd_line = "python benchmarks/epo_bench.py " + " ".join(shown)
     if not args.report_only:
         if args.model_name == "tiny":
-            from common.tiny import ensure_tiny
+            from common.tiny import ensure_tiny, strategist_overrides
 
             # build once before the parallel runs (the same recipe epo.py asks for)
-            ensure_tiny("negotiation", args.tiny_preset, overrides={"env_kwargs": {"moves": "strategy"}})
+            ensure_tiny("negotiation", args.tiny_preset, overrides=strategist_overrides("negotiation"))
         queue = [(v, s) for s in args.seeds for v in args.variants]
         running = []
         while queue or running:

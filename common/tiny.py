@@ -759,6 +759,19 @@ def _global_rng_kept():
 # ----------------------------------------------------------------------------------------------
 # Shipped weights
 # ----------------------------------------------------------------------------------------------
+def strategist_overrides(env_id: str) -> Optional[dict]:
+    """The recipe overrides of EPO's tiny strategist (epo.py) in an env whose moves can be strategies
+    (negotiation), else None: built from the expert's strategies, with every past move in the prompt
+    (`history=None`: the opening that gives a scripted style away stays in view) and 30 % of the
+    demonstration episodes played by the style-aware expert (docs/epo.md)."""
+    import envs
+
+    if env_id not in envs.STRATEGY_MOVES:
+        return None
+    return {"env_kwargs": {"moves": "strategy", "history": None},
+            "demo_mix": {"share": 0.3, "env_kwargs": {"expert": "style"}}}
+
+
 # The tiny policies the project ships: every testbed a method script uses by default or documents.
 # name -> (env id, recipe overrides). The name is what `python -m common.tiny --testbed` takes.
 TESTBEDS: dict[str, tuple[str, Optional[dict]]] = {
@@ -767,7 +780,7 @@ TESTBEDS: dict[str, tuple[str, Optional[dict]]] = {
     "guess_my_city": ("guess_my_city", None),
     "bargaining": ("bargaining", None),
     "negotiation": ("negotiation", None),
-    # EPO's strategist (epo.tiny_overrides): strategies, every past move shown, 30% style-aware demos
+    # EPO's strategist (strategist_overrides): strategies, every past move shown, 30% style-aware demos
     "negotiation_strategist": ("negotiation", {"env_kwargs": {"moves": "strategy", "history": None},
                                                "demo_mix": {"share": 0.3, "env_kwargs": {"expert": "style"}}}),
     "webshop": ("webshop", None),

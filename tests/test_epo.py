@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import REPO, assert_adapter_trained, assert_run_outputs, read_metrics
+from tests.conftest import REPO, assert_adapter_trained, assert_run_outputs, load_benchmark, read_metrics
 
 import epo
 
@@ -197,6 +197,7 @@ def test_prm_answer_valid_forms():
     "", None, "no json here", "indexes: [1, 3]", '{"indexes": [1, 3', '{"indexes": "1, 3"}', "{indexes: [1]}",
     '{"reasoning": "nothing"}', '[1, 3]', '{"indexes": null}', "\x00{\x01}", "{" * 2000,
     '{"indexes": [1], "reasoning": "a {nested} brace"}',  # the official non-greedy match cuts it: bad JSON
+    '{"indexes": [1' + "0" * 400 + ', 1e400]}',  # an integer too large for a float, an infinite float
 ])
 def test_malformed_prm_answer_marks_no_critical_turn(answer):
     assert epo.parse_prm_answer(answer, [1, 3, 5]) == [False, False, False]
@@ -252,14 +253,18 @@ def test_end_to_end_rule_agent_rule_prm(runs):
         assert math.isfinite(r["losses/policy_loss"]) and 0 <= r["credit/critical_frac"] <= 1
         assert r["perf/samples"] > 0 and 0 <= r["charts/goal_score"] <= 10
     ev = summary["last_eval"]
-    for style in ("tough", "fair", "conceding", "tit_for_tat"):
-        for role in ("Alice", "Bob"):
-            for key in ("goal_score", "deal_rate", "win_rate"):
-                v = ev[f"eval/vs_{style}/{role}/{key}"]
-                assert 0 <= v <= (10 if key == "goal_score" else 1)
-    for key in ("eval/success", "eval/success_greedy", "eval/return", "eval/episode_length", "eval/selfplay_goal_score"):
+    for key in ("eval/success", "eval/success_greedy", "eval/goal_score_greedy", "eval/deal_rate",
+                "eval/selfplay_goal_score"):
         assert key in ev
-    assert [h["iteration"] for h in summary["eval_history"]] == [0, 2]
+    assert [r["iteration"] for r in rows if "eval/goal_score" in r] == [0, 2]  # before training, at the end
+    # the goal score per scripted style and role, which benchmarks/epo_bench.py reads from the per-game scores:
+    # every cell holds as many games, so their mean is the evaluation's
+    config = json.loads((run_dir / "config.json").read_text())
+    cells = load_benchmark("epo_bench").per_opponent(config, ev)
+    assert sorted(cells) == sorted((f"vs_{style}", role) for style in ("tough", "fair", "conceding", "tit_for_tat")
+                                   for role in ("Alice", "Bob"))
+    assert all(0 <= v <= 10 for v in cells.values())
+    assert np.mean(list(cells.values())) == pytest.approx(ev["eval/goal_score"])
     recs = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
     train_recs = [r for r in recs if r["tag"] == "train"]
     assert train_recs and all(t["weight"] is not None for r in train_recs for t in r["turns"])
@@ -282,10 +287,11 @@ def test_end_to_end_single_agent_thought_strategist(runs):
     run_dir = runs["webshop_thought"].result()
     summary = assert_run_outputs(run_dir)
     ev = summary["last_eval"]
-    assert 0 <= ev["eval/success"] <= 1 and 0 <= ev["eval/return"] <= 1 and ev["eval/episode_length"] >= 1
-    assert not any(k.startswith("eval/vs_") for k in ev)
+    assert 0 <= ev["eval/success"] <= 1 and 0 <= ev["eval/goal_score"] <= 1  # single agent: the outcome in [0, 1]
+    assert not any(k.startswith(("eval/vs_", "eval/selfplay")) for k in ev)  # no scripted styles, no self-chat
     recs = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
     assert any(r["tag"] == "train" and r["player"] == "agent" for r in recs)
+    assert all(len(r["turns"]) >= 1 for r in recs)
 
 
 @pytest.mark.parametrize("flags, words", [
@@ -319,9 +325,12 @@ def test_make_env_gives_reset_seated_games():
     new_env, probe, defaults, kw = epo.make_env(epo.Args(tiny_preset="micro"))
     args = epo.resolve_args(epo.Args(tiny_preset="micro"), defaults)
     assert kw["moves"] == "strategy" and kw["history"] is None and defaults.is_tiny
-    assert epo.tiny_overrides("negotiation") == {"env_kwargs": {"moves": "strategy", "history": None},
-                                                 "demo_mix": {"share": 0.3, "env_kwargs": {"expert": "style"}}}
-    assert epo.tiny_overrides("sokoban") is None
+    # the tiny strategist's recipe overrides (common/tiny.py); none in an env whose moves are not strategies
+    from common.tiny import strategist_overrides
+
+    assert strategist_overrides("negotiation") == {"env_kwargs": {"moves": "strategy", "history": None},
+                                                   "demo_mix": {"share": 0.3, "env_kwargs": {"expert": "style"}}}
+    assert strategist_overrides("sokoban") is None
     # the tiny strategist's measured defaults were filled in (docs/epo.md)
     assert (args.train_opponent, args.return_norm, args.prm_min_final) == ("rule:any", "batch", 0.5)
     task = probe.task_ids("test")[0]

@@ -36,10 +36,7 @@ def test_every_testbed_ships_its_current_recipe_within_the_size_budget():
 
 
 def test_epo_strategist_testbed_is_the_recipe_epo_loads():
-    sys.path.insert(0, str(REPO))
-    import epo
-
-    assert tiny.TESTBEDS["negotiation_strategist"] == ("negotiation", epo.tiny_overrides("negotiation"))
+    assert tiny.TESTBEDS["negotiation_strategist"] == ("negotiation", tiny.strategist_overrides("negotiation"))
 
 
 @pytest.mark.parametrize("name", SHIPPED)
