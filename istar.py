@@ -26,6 +26,11 @@ The PRM's scoring and DPO step (Alg. 1), which give the kernel its log-ratios: `
 
 Deviations from the paper and from the official code: docs/istar.md, "Deviations".
 
+`python istar.py` runs iStar on RLOO with the tiny Sokoban policy, LoRA, on a CPU: 40 iterations of
+4 tasks x 8 trajectories (the paper: full fine-tuning of 7B models, 200 steps of 32 x 8).
+Reading order: Args, section 2 (the method), `rollout`, `compute_advantages`, `prm_update`,
+`update`, `main`; the PRM's measurements (pair accuracy, ...) are benchmarks/istar_prm_stats.py's.
+
 Example
     python istar.py --env-id sokoban --seed 1                 # iStar on RLOO, tiny policy, CPU
     python istar.py --alpha 0                                 # vanilla RLOO baseline
@@ -79,8 +84,7 @@ class Args:
 
     # model
     model_name: str = "tiny"
-    """'tiny' (the env's tiny local policy), 'smollm2-135m' (SmolLM2-135M-Instruct), a hub id or a
-    local directory"""
+    """'tiny' (the env's tiny policy), 'smollm2-135m', a hub id or a local directory"""
     tiny_preset: str = "default"
     """tiny policy size preset: 'default' or 'micro' (builds in seconds, for tests)"""
     load_in_4bit: Optional[bool] = None
@@ -138,8 +142,7 @@ class Args:
     num_minibatches: int = 2
     """optimizer steps per iteration (the turns are split into this many minibatches)"""
     micro_batch_size: Optional[int] = None
-    """turns per forward pass (gradient accumulation inside a minibatch); None: by model (PRESETS:
-    8 on a real model, whose long prompts make a forward of 64 turns need over 16 GB on a CPU)"""
+    """turns per forward pass (gradient accumulation in a minibatch); None: by model (PRESETS)"""
     beta: float = 0.05
     """β of the implicit reward (paper: 0.05)"""
     alpha: float = 1.0
@@ -153,14 +156,11 @@ class Args:
     dpo_reduce: Literal["mean", "sum"] = "mean"
     """DPO trajectory score: mean (official) or sum (Eq. 2 literally) of its step rewards"""
     prm_updates_per_iteration: int = 1
-    """PRM optimizer steps per iteration on its pairs (official: 1; more did not help the tiny
-    policy's PRM, docs/istar.md, "PRM settings on the tiny policy")"""
+    """PRM optimizer steps per iteration on its pairs (official: 1; more did not help the tiny)"""
     prm_replay: Optional[int] = None
-    """the PRM also trains on the pairs of this many earlier iterations, each against its own
-    π_θold (official: none); None: by model (PRESETS)"""
+    """past iterations whose pairs the PRM also trains on (official: 0); None: by model (PRESETS)"""
     positive_threshold: Optional[float] = None
-    """None: positive = info['success'] (negotiation: 6, as SOTOPIA, POSITIVE_THRESHOLD_BY_ENV);
-    a number: positive = outcome r_o > it"""
+    """DPO positives: None: info['success'] (POSITIVE_THRESHOLD_BY_ENV aside); a number: r_o > it"""
     invalid_penalty: float = 0.1
     """subtracted from the outcome per invalid action (paper: 0.1)"""
     clip_eps: float = 0.2
@@ -175,8 +175,9 @@ class Args:
 
 # The options left at None depend on the model; `resolve_args` fills them, in this one place.
 # "real": any pretrained model, the official PRM settings (lr 2x the policy's, no replay; policy lr
-# for LoRA). "tiny": its recipe supplies prompt options and token budget; the cheapest PRM setting
-# under which the PRM learns in the default run (docs/istar.md, "PRM settings on the tiny policy").
+# for LoRA; 8 turns per forward: 64 long prompts need over 16 GB on a CPU). "tiny": its recipe
+# supplies prompt options and token budget; the cheapest PRM setting under which the PRM learns in
+# the default run (docs/istar.md, "PRM settings on the tiny policy").
 PRESETS = {"real": dict(learning_rate=1e-5, max_new_tokens=512, prm_replay=0, micro_batch_size=8),
            "tiny": dict(learning_rate=5e-4, prm_learning_rate=4e-3, prm_replay=4,
                         micro_batch_size=64)}
@@ -366,7 +367,6 @@ class Episode:
     actions: list = field(default_factory=list)  # per turn: decoded text
     observations: list = field(default_factory=list)
     invalid: list = field(default_factory=list)
-    progress_delta: list = field(default_factory=list)  # per turn: change of info["progress"]
     success: bool = False
     env_return: float = 0.0
 
@@ -458,30 +458,17 @@ def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False, 
     return [row[: row.index(eos) + 1] if eos in row else row for row in out[:, width:].tolist()]
 
 
-def _progress(env, info=None):
-    """The env's progress (info["progress"], or env.progress() after reset); nan if unknown."""
-    p = (info or {}).get("progress")
-    if p is None and info is None:
-        p = env.progress()
-    try:
-        return float(p) if p is not None else float("nan")
-    except (TypeError, ValueError):
-        return float("nan")
-
-
 def rollout(model, tok, new_env, task_ids, group_ids, temperature, max_new_tokens, greedy=False,
             noise_keys=None):
     """Play one episode per task id with the policy adapter, all envs stepped together: one batched
-    generate per turn. Records every turn's prompt and completion ids and its change of progress.
-    `noise_keys` (evaluation): one key per episode; turn t samples with the common random numbers
-    of (*key, t) (`CommonNoise`)."""
-    envs_, episodes, progress = [], [], []
+    generate per turn. `noise_keys` (evaluation): one key per episode; turn t samples with the
+    common random numbers of (*key, t) (`CommonNoise`)."""
+    envs_, episodes = [], []
     for i, (task, g) in enumerate(zip(task_ids, group_ids)):
         env = new_env()
         env.reset(task)
         envs_.append(env)
         episodes.append(Episode(traj_id=i, group_id=int(g), task_id=str(task)))
-        progress.append(_progress(env))
     model.set_adapter("default")
     model.eval()
     while True:
@@ -495,16 +482,12 @@ def rollout(model, tok, new_env, task_ids, group_ids, temperature, max_new_token
                                noise_keys=keys)
         for k, i in enumerate(active):
             ep = episodes[i]
-            text = tok.decode(completions[k], skip_special_tokens=True)
             step = envs_[i].step(completion_text(tok, completions[k]))
             ep.prompts.append(prompts[k])
             ep.completions.append(completions[k])
-            ep.actions.append(text)
+            ep.actions.append(tok.decode(completions[k], skip_special_tokens=True))
             ep.observations.append(step.observation)
             ep.invalid.append(bool(step.info.get("invalid", False)))
-            now = _progress(envs_[i], step.info)
-            ep.progress_delta.append(now - progress[i])
-            progress[i] = now
             ep.env_return += float(step.reward)
             if step.done:
                 ep.success = bool(step.info.get("success", False))
@@ -512,9 +495,8 @@ def rollout(model, tok, new_env, task_ids, group_ids, temperature, max_new_token
 
 
 def trajectory_outcomes(episodes, invalid_penalty, threshold=None):
-    """Every trajectory's outcome r_o = env return - invalid_penalty * (its invalid actions),
-    whether it is a positive of the PRM's DPO pairs (threshold None: the episode succeeded; else
-    r_o > threshold) and its group. Returns (outcomes [N] float64, positive [N] bool, group [N])."""
+    """Per trajectory: r_o = env return - invalid_penalty * invalid actions (float64), whether it is
+    a DPO positive (threshold None: it succeeded; else r_o > threshold) and its group."""
     outcomes = torch.tensor([ep.env_return - invalid_penalty * sum(ep.invalid) for ep in episodes],
                             dtype=torch.float64)
     positive = (outcomes > threshold if threshold is not None
@@ -523,9 +505,9 @@ def trajectory_outcomes(episodes, invalid_penalty, threshold=None):
 
 
 def compute_advantages(episodes, args, signal=None):
-    """Episodes in, one Sample per turn out with its advantage, and the credit statistics that are
-    logged. `signal`: per turn, the PRM's token log-ratios log π_φ - log π_θold (`prm_update`), or
-    None without the PRM (--alpha 0: every step reward is 0, A = A_E).
+    """Episodes in, one Sample per turn out with its advantage (the kernel, section 2), and two
+    credit statistics. `signal`: per turn, the PRM's token log-ratios log π_φ - log π_θold
+    (`prm_update`), or None without the PRM (--alpha 0: every step reward is 0, A = A_E).
 
     With --step-reward-granularity token every token is its own step (Table 3 ablation): the kernel
     gets one row per token, and each Sample one advantage per completion token."""
@@ -552,26 +534,107 @@ def compute_advantages(episodes, args, signal=None):
         a = torch.from_numpy(adv[start:start + n]).float() if token_level else float(adv[start])
         samples.append(Sample(ep.prompts[t], ep.completions[t], ep.group_id, ep.traj_id, t, a))
         start += n
-    per_token = [x.adv if token_level else torch.full((len(x.completion),), x.adv)
-                 for x in samples]
-    advs = torch.cat(per_token) if samples else torch.zeros(0)
-    stats = {"credit/adv_abs_mean": float(advs.abs().mean()) if len(advs) else 0.0,
-             "charts/positive_frac": float(positive.float().mean())}
-    if signal is not None:  # the raw step rewards (Eq. 1), overall and by the trajectory's label
-        r = implicit_turn_rewards(signal, args.beta).double().numpy()
-        succ = positive[torch.tensor([i for i, _, _ in turns], dtype=torch.long)].numpy()
-        stats["credit/step_reward_mean"] = float(r.mean()) if len(r) else 0.0
-        stats["credit/step_reward_abs_mean"] = float(np.abs(r).mean()) if len(r) else 0.0
-        stats["credit/step_reward_success_mean"] = (float(r[succ].mean()) if succ.any()
-                                                    else float("nan"))
-        stats["credit/step_reward_failure_mean"] = (float(r[~succ].mean()) if (~succ).any()
-                                                    else float("nan"))
-    return samples, stats
+    advs = torch.cat([x.adv if token_level else torch.full((len(x.completion),), x.adv)
+                      for x in samples]) if samples else torch.zeros(0)
+    return samples, {"credit/adv_abs_mean": float(advs.abs().mean()) if len(advs) else 0.0,
+                     "charts/positive_frac": float(positive.float().mean())}
 
 
 # ----------------------------------------------------------------------------------------------
 # 4. Log-probs and loss
 # ----------------------------------------------------------------------------------------------
+# The PRM's step first: it scores every step (the signal of Eq. 1) and trains on the batch's
+# pairs (Eq. 2). Then the log-probs both adapters use, π_θold's, the policy's loss and update.
+def prm_log_ratios(model, tok, samples, args):
+    """Per sample, its token log-ratios log π_φ - log π_θold under the PRM as it is now, no
+    gradient: the signal of Eq. 1."""
+    prm_lp = token_logprobs(model, tok, samples, "prm", args.micro_batch_size, args.temperature)
+    return [p - x.old for p, x in zip(prm_lp, samples)]
+
+
+def paired_batch(samples, traj_success, traj_group):
+    """The PRM's training data of one iteration: the steps of the trajectories that are in a pair,
+    their trajectories renumbered 0..n-1 in order, with those trajectories' success and group."""
+    in_pair = traj_in_pair(traj_success, traj_group)
+    keep = [i for i in range(len(traj_success)) if bool(in_pair[i])]
+    new_id = {old: new for new, old in enumerate(keep)}
+    return {"samples": [dataclasses.replace(x, traj=new_id[x.traj]) for x in samples
+                        if x.traj in new_id],
+            "success": torch.as_tensor(traj_success)[keep],
+            "group": torch.as_tensor(traj_group)[keep]}
+
+
+def merge_batches(batches):
+    """Paired batches of several iterations as one; the trajectory and group ids of each batch are
+    offset past those of the batches before it, so no pair crosses iterations."""
+    samples, succ, grp, n_traj, n_grp = [], [], [], 0, 0
+    for b in batches:
+        samples += [dataclasses.replace(x, traj=x.traj + n_traj) for x in b["samples"]]
+        succ.append(b["success"])
+        grp.append(torch.as_tensor(b["group"], dtype=torch.long) + n_grp)
+        n_traj += len(b["success"])
+        n_grp = int(grp[-1].max()) + 1 if len(grp[-1]) else n_grp
+    return {"samples": samples,
+            "success": torch.cat(succ) if succ else torch.zeros(0, dtype=torch.bool),
+            "group": torch.cat(grp) if grp else torch.zeros(0, dtype=torch.long)}
+
+
+def prm_update(model, tok, optimizer, samples, traj_success, traj_group, args, replay=()):
+    """The PRM's step (Alg. 1). It scores every step under the PRM as it is (Eq. 1: the log-ratios
+    that feed the advantages), then takes `--prm-updates-per-iteration` optimizer steps on the
+    trajectory-DPO loss (Eq. 2) of this batch's pairs and of the paired batches in `replay` (earlier
+    iterations'). samples: one per turn, with π_θold's log-probs in `old`. Each step takes two
+    passes (docs/istar.md, "Implementation details" 4): g_s = dL/dr_s on the step rewards without
+    graph, then a re-forward of the paired steps that backpropagates Σ_s g_s r_s. Returns
+    (log-ratios per sample, their step rewards [S], stats: this batch's pairs, their DPO loss
+    before the step and the PRM's gradient norm, this batch's `paired_batch` for later replay)."""
+    device = next(model.parameters()).device
+    log_ratios = prm_log_ratios(model, tok, samples, args)
+    step_rewards = implicit_turn_rewards(log_ratios, args.beta)  # Eq. 1
+    traj_index = torch.tensor([x.traj for x in samples], dtype=torch.long)
+    n_pairs = int(preference_pairs(traj_success, traj_group).shape[0])
+    loss = trajectory_dpo_loss(step_rewards.double(), traj_index, traj_success, traj_group,
+                               args.dpo_reduce)  # new pairs, scored before the PRM trains on them
+    stats = {"pairs": n_pairs, "loss": float(loss) if n_pairs else math.nan, "grad_norm": 0.0}
+    in_pair = traj_in_pair(traj_success, traj_group)
+    paired = [j for j, x in enumerate(samples) if bool(in_pair[x.traj])]  # only they have dL/dr
+    mine = paired_batch(samples, traj_success, traj_group)
+    batch = merge_batches([mine, *replay])  # this iteration's pairs first
+    train = batch["samples"]
+    train_index = torch.tensor([x.traj for x in train], dtype=torch.long)
+    if not train:
+        model.set_adapter("default")
+        return log_ratios, step_rewards, stats, mine
+    train_rewards = step_rewards[paired]
+    for k in range(args.prm_updates_per_iteration):
+        if k > 0:  # dL/dr with the PRM as it is now
+            train_rewards = implicit_turn_rewards(prm_log_ratios(model, tok, train, args),
+                                                  args.beta)
+        elif replay:  # this batch's steps are scored; the earlier ones' under the PRM as it is now
+            earlier = prm_log_ratios(model, tok, train[len(paired):], args)
+            train_rewards = torch.cat([train_rewards, implicit_turn_rewards(earlier, args.beta)])
+        leaf = train_rewards.detach().double().requires_grad_(True)
+        (grad,) = torch.autograd.grad(trajectory_dpo_loss(
+            leaf, train_index, batch["success"], batch["group"], args.dpo_reduce), leaf)
+        model.set_adapter("prm")
+        model.train()
+        optimizer.zero_grad(set_to_none=True)
+        for s in range(0, len(train), args.micro_batch_size):
+            chunk = train[s:s + args.micro_batch_size]
+            lp, m = completion_logprobs(model, tok, [x.prompt for x in chunk],
+                                        [x.completion for x in chunk], temperature=args.temperature)
+            old = _padded(chunk, "old", lp.shape[1], device)
+            rewards = implicit_step_rewards(lp, old, m, args.beta)  # Eq. 1 with graph
+            # Σ_s g_s r_s: its gradient is the DPO loss's, one micro-batch of activations at a time
+            (rewards * grad[s:s + len(chunk)].to(rewards.dtype).to(device)).sum().backward()
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, args.prm_max_grad_norm))
+        optimizer.step()
+    model.set_adapter("default")
+    model.eval()
+    return log_ratios, step_rewards, stats, mine
+
+
 def completion_logprobs(model, tok, prompt_ids, completion_ids, temperature=1.0):
     """Per-token log-probs of the completions given the prompts, under softmax(logits / T), the
     sampling distribution: one left-padded forward with the active adapter (docs/design.md, "Shared
@@ -632,106 +695,6 @@ def old_logprob_turns(model, tok, episodes, args):
     return turns
 
 
-def prm_log_ratios(model, tok, samples, args):
-    """Per sample, its token log-ratios log π_φ - log π_θold under the PRM as it is now, no
-    gradient: the signal of Eq. 1."""
-    prm_lp = token_logprobs(model, tok, samples, "prm", args.micro_batch_size, args.temperature)
-    return [p - x.old for p, x in zip(prm_lp, samples)]
-
-
-def paired_batch(samples, traj_success, traj_group):
-    """The PRM's training data of one iteration: the steps of the trajectories that are in a pair,
-    their trajectories renumbered 0..n-1 in order, with those trajectories' success and group."""
-    in_pair = traj_in_pair(traj_success, traj_group)
-    keep = [i for i in range(len(traj_success)) if bool(in_pair[i])]
-    new_id = {old: new for new, old in enumerate(keep)}
-    return {"samples": [dataclasses.replace(x, traj=new_id[x.traj]) for x in samples
-                        if x.traj in new_id],
-            "success": torch.as_tensor(traj_success)[keep],
-            "group": torch.as_tensor(traj_group)[keep]}
-
-
-def merge_batches(batches):
-    """Paired batches of several iterations as one: trajectory and group ids of batch b are offset
-    by the trajectories and the largest group id + 1 of the batches before it, so no pair crosses
-    iterations."""
-    samples, succ, grp, n_traj, n_grp = [], [], [], 0, 0
-    for b in batches:
-        samples += [dataclasses.replace(x, traj=x.traj + n_traj) for x in b["samples"]]
-        succ.append(b["success"])
-        grp.append(torch.as_tensor(b["group"], dtype=torch.long) + n_grp)
-        n_traj += len(b["success"])
-        n_grp = int(grp[-1].max()) + 1 if len(grp[-1]) else n_grp
-    return {"samples": samples,
-            "success": torch.cat(succ) if succ else torch.zeros(0, dtype=torch.bool),
-            "group": torch.cat(grp) if grp else torch.zeros(0, dtype=torch.long)}
-
-
-def prm_update(model, tok, optimizer, samples, traj_success, traj_group, args, replay=()):
-    """`--prm-updates-per-iteration` optimizer steps of the PRM adapter on the trajectory-DPO loss
-    (Eq. 2) of this batch's pairs and of the paired batches in `replay` (earlier iterations',
-    `paired_batch`). samples: one per turn, with π_θold's log-probs in `old`. Each step takes two
-    passes (docs/istar.md, "Implementation details" 4): the step rewards without graph, g_s =
-    dL/dr_s on them, then a re-forward of the paired steps that backpropagates Σ_s g_s r_s. The
-    first scoring (every step, before any update on this batch) gives the log-ratios that feed the
-    advantages and the held-out pair statistics; after the last step this batch's paired steps are
-    scored again (fit statistics). Returns (log-ratios per sample, their step rewards [S] (Eq. 1),
-    stats, this batch's `paired_batch` for later replay).
-    """
-    device = next(model.parameters()).device
-    log_ratios = prm_log_ratios(model, tok, samples, args)
-    step_rewards = implicit_turn_rewards(log_ratios, args.beta)  # Eq. 1
-    traj_index = torch.tensor([x.traj for x in samples], dtype=torch.long)
-    held = pair_counts(step_rewards, traj_index, traj_success, traj_group, args.dpo_reduce)
-    n_pairs = int(held["pairs"].sum())
-    stats = {"pairs": n_pairs, "loss": held["loss"], "heldout_pair_acc": held["acc"],
-             "heldout_margin": held["margin"], "grad_norm": 0.0,
-             "heldout_counts": (held["correct"], held["pairs"])}
-    in_pair = traj_in_pair(traj_success, traj_group)
-    paired = [j for j, x in enumerate(samples) if bool(in_pair[x.traj])]  # only they have dL/dr
-    mine = paired_batch(samples, traj_success, traj_group)
-    batch = merge_batches([mine, *replay])  # this iteration's pairs first
-    train = batch["samples"]
-    train_index = torch.tensor([x.traj for x in train], dtype=torch.long)
-    if not train:
-        model.set_adapter("default")
-        return log_ratios, step_rewards, stats, mine
-    train_rewards = step_rewards[paired]
-    for k in range(args.prm_updates_per_iteration):
-        if k > 0:  # dL/dr with the PRM as it is now
-            train_rewards = implicit_turn_rewards(prm_log_ratios(model, tok, train, args),
-                                                  args.beta)
-        elif replay:  # this batch's steps are scored; the earlier ones' under the PRM as it is now
-            earlier = prm_log_ratios(model, tok, train[len(paired):], args)
-            train_rewards = torch.cat([train_rewards, implicit_turn_rewards(earlier, args.beta)])
-        leaf = train_rewards.detach().double().requires_grad_(True)
-        (grad,) = torch.autograd.grad(trajectory_dpo_loss(
-            leaf, train_index, batch["success"], batch["group"], args.dpo_reduce), leaf)
-        model.set_adapter("prm")
-        model.train()
-        optimizer.zero_grad(set_to_none=True)
-        for s in range(0, len(train), args.micro_batch_size):
-            chunk = train[s:s + args.micro_batch_size]
-            lp, m = completion_logprobs(model, tok, [x.prompt for x in chunk],
-                                        [x.completion for x in chunk], temperature=args.temperature)
-            old = _padded(chunk, "old", lp.shape[1], device)
-            rewards = implicit_step_rewards(lp, old, m, args.beta)  # Eq. 1 with graph
-            # Σ_s g_s r_s: its gradient is the DPO loss's, one micro-batch of activations at a time
-            (rewards * grad[s:s + len(chunk)].to(rewards.dtype).to(device)).sum().backward()
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, args.prm_max_grad_norm))
-        optimizer.step()
-    if n_pairs:
-        fit = implicit_turn_rewards(prm_log_ratios(model, tok, mine["samples"], args), args.beta)
-        after = pair_counts(fit, traj_index[paired], traj_success, traj_group, args.dpo_reduce)
-        stats.update(train_loss_after=after["loss"], train_pair_acc_after=after["acc"],
-                     train_margin_after=after["margin"])
-    stats["train_pairs"] = int(preference_pairs(batch["success"], batch["group"]).shape[0])
-    model.set_adapter("default")
-    model.eval()
-    return log_ratios, step_rewards, stats, mine
-
-
 def policy_loss(logp, old_logp, adv, weights, clip_eps, dual_clip, step_mask=None):
     """Clipped surrogate (Eq. 6) with optional dual clip; `weights` carry the aggregation.
 
@@ -758,9 +721,8 @@ def policy_loss(logp, old_logp, adv, weights, clip_eps, dual_clip, step_mask=Non
 
 
 def update(model, tok, optimizer, samples, args, rng):
-    """One pass over the turns in `num_minibatches` optimizer steps of the policy adapter; samples
-    carry `old` (π_θold's token log-probs) and `adv`. Step-level ratio and step-mean
-    (`--ratio-level step`, Eq. 6) or per-token ratios and token-mean (`token`)."""
+    """`--num-minibatches` policy steps over the turns (with `old` and `adv`): step-level ratio and
+    step-mean (`--ratio-level step`, Eq. 6) or per-token ratios and token-mean (`token`)."""
     device = next(model.parameters()).device
     model.set_adapter("default")
     model.train()
@@ -806,7 +768,7 @@ def update(model, tok, optimizer, samples, args, rng):
 
 
 # ----------------------------------------------------------------------------------------------
-# 5. Evaluation, logging and checkpoints
+# 5. Evaluation
 # ----------------------------------------------------------------------------------------------
 def episode_record(ep, tag):
     return {"tag": tag, "task_id": ep.task_id, "success": ep.success, "return": ep.env_return,
@@ -815,11 +777,8 @@ def episode_record(ep, tag):
 
 
 def evaluate(model, tok, new_env, tasks, args):
-    """Sampled (one per test task, at --eval-temperature) and greedy episodes on the test tasks
-    with the policy adapter. The sampled episodes draw common random numbers keyed by (seed,
-    episode), the same in every evaluation of the run (and in every run of the seed), so
-    `write_summary` pairs the first and the last evaluation episode by episode
-    (eval/success_episodes)."""
+    """Sampled (at --eval-temperature, with common random numbers keyed by (seed, episode), so
+    `write_summary` pairs the first and last evaluation) and greedy episodes on the test tasks."""
     budget = args.max_new_tokens
     episodes = rollout(model, tok, new_env, tasks, [0] * len(tasks), args.eval_temperature, budget,
                        noise_keys=[(args.seed, i) for i in range(len(tasks))])
@@ -838,101 +797,23 @@ def evaluate(model, tok, new_env, tasks, args):
     return out, records
 
 
-def pair_counts(step_rewards, traj_index, traj_success, traj_group, reduce="mean"):
-    """The PRM's pairs as it scores them now: per group with pairs, its pairs and how many the PRM
-    ranks right (S(τ+) > S(τ-); a tie is wrong), and over all pairs the accuracy, the mean margin
-    S(τ+) - S(τ-) and the DPO loss (NaN without pairs). Returns a dict: groups, correct, pairs (per
-    group), acc, margin, loss."""
-    traj_index = torch.as_tensor(traj_index, dtype=torch.long)
-    grp = torch.as_tensor(traj_group)
-    pairs = preference_pairs(traj_success, traj_group)
-    if pairs.shape[0] == 0:
-        nan = float("nan")
-        return {"groups": [], "correct": np.zeros(0), "pairs": np.zeros(0), "acc": nan,
-                "margin": nan, "loss": nan}
-    s = trajectory_scores(torch.as_tensor(step_rewards).double(), traj_index, len(grp), reduce)
-    d = s[pairs[:, 0]] - s[pairs[:, 1]]
-    pair_group = grp[pairs[:, 0]]
-    groups = torch.unique(pair_group)
-    return {"groups": groups.tolist(),
-            "correct": np.array([float((d[pair_group == g] > 0).sum()) for g in groups]),
-            "pairs": np.array([float((pair_group == g).sum()) for g in groups]),
-            "acc": float((d > 0).double().mean()), "margin": float(d.mean()),
-            "loss": float(-F.logsigmoid(d).mean())}
-
-
-def pooled_pair_accuracy(correct, pairs):
-    """Accuracy over the pairs of many groups, Σ correct / Σ pairs, and its standard error with the
-    group as the unit (a group's pairs share trajectories, so they are not independent): with n_g
-    pairs and c_g right in group g, acc = Σ c_g / Σ n_g and
-    SE = sqrt(G / (G - 1) Σ_g (c_g - acc n_g)²) / Σ n_g (0 for one group).
-    Returns (acc, se); (NaN, NaN) without pairs."""
-    c, n = np.asarray(correct, dtype=np.float64), np.asarray(pairs, dtype=np.float64)
-    if n.sum() == 0:
-        return float("nan"), float("nan")
-    acc, num_groups = c.sum() / n.sum(), len(n)
-    se = (math.sqrt(num_groups / (num_groups - 1) * ((c - acc * n) ** 2).sum()) / n.sum()
-          if num_groups > 1 else 0.0)
-    return float(acc), float(se)
-
-
-def heldout_summary(heldout, num_iterations):
-    """The PRM's held-out pair accuracy (docs/istar.md, "Logged metrics") pooled over the pairs of
-    the first and of the last quarter of the iterations, with standard errors
-    (`pooled_pair_accuracy`), for summary.json."""
-    q = max(1, num_iterations // 4)
-    out = {}
-    for name, lo, hi in (("first_quarter", 1, q),
-                         ("last_quarter", num_iterations - q + 1, num_iterations)):
-        rows = [(c, n) for it, c, n in heldout if lo <= it <= hi]
-        c = np.concatenate([r[0] for r in rows]) if rows else np.zeros(0)
-        n = np.concatenate([r[1] for r in rows]) if rows else np.zeros(0)
-        acc, se = pooled_pair_accuracy(c, n)
-        out[name] = {"iterations": [lo, hi], "acc": acc if n.sum() else None,  # null: no pairs
-                     "se": se if n.sum() else None, "pairs": int(n.sum()), "groups": len(n)}
-    return out
-
-
-def step_reward_record(episodes, step_rewards):
-    """Every step's implicit reward and change of env progress (null where unknown), in step order,
-    for samples.jsonl; benchmarks/istar_bench.py correlates them."""
-    return {"tag": "train_step_rewards", "step_reward": step_rewards.double().tolist(),
-            "progress_delta": [d if math.isfinite(d) else None
-                               for ep in episodes for d in ep.progress_delta]}
-
-
-def iteration_row(episodes, samples, ustats, cstats, seconds):
-    """One iteration's metrics: training rollouts, losses, credit statistics, seconds per phase."""
-    n_turns = sum(ep.length for ep in episodes)
-    row = {
-        "charts/success": float(np.mean([ep.success for ep in episodes])),
-        "charts/return": float(np.mean([ep.env_return for ep in episodes])),
-        "charts/episode_length": float(np.mean([ep.length for ep in episodes])),
-        "charts/invalid_rate": float(sum(sum(ep.invalid) for ep in episodes) / max(n_turns, 1)),
-        **{f"losses/{k}": v for k, v in ustats.items()},
-        **cstats,
-        **{f"perf/{k}_seconds": v for k, v in seconds.items()},
-        "perf/tokens_per_second": sum(len(x.completion) for x in samples) / max(seconds["rollout"],
-                                                                                 1e-9),
-        "perf/samples": len(samples),
-    }
-    if torch.cuda.is_available():
-        row["perf/peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
+def run_eval(it, model, tok, new_env, tasks, args, logger):
+    """Evaluate at iteration `it`: its episodes to samples.jsonl, one printed line; the metrics."""
+    t0 = time.time()
+    row, records = evaluate(model, tok, new_env, tasks, args)
+    row["perf/eval_seconds"] = time.time() - t0
+    logger.log_samples(it, records)
+    tqdm.write(eval_line(it, row))
     return row
 
 
-def start_run(args, extra):
-    """The run directory, its config.json (every Args field as resolved, and `extra`), a Logger.
-    With --resume: the run's own directory, its config.json as written when it started."""
-    if args.resume:
-        print(f"run dir: {args.resume} (resumed)")
-        return Path(args.resume), Logger(Path(args.resume), args.track)
-    name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_dir = Path(args.output_dir) / name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    print(f"run dir: {run_dir}")
-    (run_dir / "config.json").write_text(json.dumps({**asdict(args), **extra}, indent=2))
-    return run_dir, Logger(run_dir, args.track)
+def mean_se(values) -> tuple[float, float]:
+    """Mean and standard error (scipy.stats.sem: sample std / sqrt(n); 0 for fewer than two values)
+    of per-episode values; for success flags the rate p and about sqrt(p (1 - p) / n)."""
+    x = np.asarray(values, dtype=np.float64)
+    if x.size < 2:
+        return (float(x.mean()) if x.size else 0.0), 0.0
+    return float(x.mean()), float(scipy.stats.sem(x))
 
 
 def eval_line(it, ev):
@@ -959,13 +840,165 @@ def write_summary(run_dir, args, wall_seconds, first_eval, last_eval, metric, **
     return summary
 
 
-def mean_se(values) -> tuple[float, float]:
-    """Mean and standard error (scipy.stats.sem: sample std / sqrt(n); 0 for fewer than two values)
-    of per-episode values; for success flags the rate p and about sqrt(p (1 - p) / n)."""
-    x = np.asarray(values, dtype=np.float64)
-    if x.size < 2:
-        return (float(x.mean()) if x.size else 0.0), 0.0
-    return float(x.mean()), float(scipy.stats.sem(x))
+def step_reward_record(episodes, step_rewards, positive):
+    """samples.jsonl: the PRM's step rewards before its update (Eq. 1), each step's trajectory and
+    env input ("" where invalid), the trajectories' labels, groups and tasks; from them
+    benchmarks/istar_prm_stats.py measures the PRM (pair accuracy, step rewards vs progress)."""
+    return {"tag": "train_step_rewards", "step_reward": step_rewards.double().tolist(),
+            "traj": [ep.traj_id for ep in episodes for _ in range(ep.length)],
+            "action": [a if not bad else "" for ep in episodes
+                       for a, bad in zip(ep.actions, ep.invalid)],
+            "positive": positive.tolist(), "group": [ep.group_id for ep in episodes],
+            "task_id": [ep.task_id for ep in episodes]}
+
+
+# ----------------------------------------------------------------------------------------------
+# 6. Logging, checkpoints and the main loop
+# ----------------------------------------------------------------------------------------------
+# The env and the arguments; the run's plumbing (the same text in every method file: docs/design.md,
+# "Shared blocks"); an iteration's metrics; `main`.
+def make_env(args):
+    """The env factory `new_env` (user errors -> UserError), one probe instance, the policy's
+    model-dependent defaults (`policy_defaults`) and the env options."""
+    import envs
+    from common.models import UserError, policy_defaults
+
+    if args.env_id not in envs.available():
+        raise UserError(f"env {args.env_id!r} is not available in this checkout; available env "
+                        f"ids: {', '.join(envs.available()) or 'none'}")
+    # a tiny policy was trained on prompts rendered with its recipe's env options: use the same ones
+    real = PRESETS["real"]
+    defaults = policy_defaults(args.model_name, args.env_id, args.tiny_preset,
+                               learning_rate=real["learning_rate"],
+                               max_new_tokens=real["max_new_tokens"],
+                               tiny_learning_rate=PRESETS["tiny"]["learning_rate"])
+    kw = dict(defaults.env_kwargs)
+    if args.history is not None:
+        kw["history"] = args.history
+    if args.env_id == "sokoban":
+        kw["reward"] = args.sokoban_reward
+
+    def new_env():
+        env = envs.make(args.env_id, **kw)
+        if args.env_id in envs.TWO_PLAYER:
+            env = envs.vs_opponent(env, opponent=args.opponent)
+        if args.max_turns:
+            env.max_turns = args.max_turns
+        return env
+
+    try:
+        probe = new_env()
+        probe.reset(probe.task_ids("test")[0])
+    except ValueError as e:
+        raise UserError(f"env {args.env_id!r}: {e}") from None
+    return new_env, probe, defaults, kw
+
+
+def resolve_args(args, defaults):
+    """`args` with every option left at None filled in: PRESETS (lr and token budget as the policy's
+    `defaults` give them), POSITIVE_THRESHOLD_BY_ENV; a real model's PRM lr is 2x the policy's."""
+    preset = PRESETS["tiny" if defaults.is_tiny else "real"]
+    lr = defaults.learning_rate if args.learning_rate is None else args.learning_rate
+    return fill_defaults(args, {**preset, "learning_rate": defaults.learning_rate,
+                                "max_new_tokens": defaults.max_new_tokens,
+                                "prm_learning_rate": preset.get("prm_learning_rate", 2 * lr),
+                                "positive_threshold": POSITIVE_THRESHOLD_BY_ENV.get(args.env_id)})
+
+
+def check_args(args):
+    """User errors in the (resolved) arguments -> UserError, one line that says what to do."""
+    from common.models import UserError
+
+    rules = [
+        (args.group_size >= 2,
+         "--group-size must be >= 2 (advantages compare the trajectories of a task)"),
+        (args.tasks_per_iteration >= 1 and args.num_iterations >= 0
+         and (args.micro_batch_size is None or args.micro_batch_size >= 1),  # None: by model
+         "--tasks-per-iteration and --micro-batch-size must be >= 1, --num-iterations >= 0"),
+        (args.max_new_tokens is None or args.max_new_tokens >= 1,
+         f"--max-new-tokens must be >= 1 (or None: by model), got {args.max_new_tokens}"),
+        (args.history is None or args.history >= 0,
+         f"--history must be >= 0 (or None), got {args.history}"),
+        (args.beta > 0, "--beta must be > 0 (it scales the implicit reward, paper: 0.05)"),
+        (args.prm_updates_per_iteration >= 1,
+         f"--prm-updates-per-iteration must be >= 1, got {args.prm_updates_per_iteration} "
+         "(--alpha 0 turns the PRM off)"),
+        (args.prm_replay is None or args.prm_replay >= 0,
+         "--prm-replay must be >= 0 (earlier iterations whose pairs the PRM also trains on), "
+         f"got {args.prm_replay}"),
+        (args.prm_learning_rate is None or args.prm_learning_rate > 0,
+         f"--prm-learning-rate must be > 0, got {args.prm_learning_rate}"),
+    ]
+    for ok, message in rules:
+        if not ok:
+            raise UserError(message)
+
+
+def iteration_row(episodes, samples, ustats, cstats, prm_stats, seconds):
+    """One iteration's metrics: rollouts, losses, credit and PRM statistics, seconds per phase."""
+    n_turns = sum(ep.length for ep in episodes)
+    row = {
+        "charts/success": float(np.mean([ep.success for ep in episodes])),
+        "charts/return": float(np.mean([ep.env_return for ep in episodes])),
+        "charts/episode_length": float(np.mean([ep.length for ep in episodes])),
+        "charts/invalid_rate": float(sum(sum(ep.invalid) for ep in episodes) / max(n_turns, 1)),
+        **{f"losses/{k}": v for k, v in ustats.items()},
+        **cstats,
+        **{f"prm/{k}": v for k, v in prm_stats.items()},
+        **{f"perf/{k}_seconds": v for k, v in seconds.items()},
+        "perf/tokens_per_second": sum(len(x.completion) for x in samples) / max(seconds["rollout"],
+                                                                                 1e-9),
+        "perf/samples": len(samples),
+    }
+    if torch.cuda.is_available():
+        row["perf/peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    return row
+
+
+def adapter_params(model, adapter):
+    """The LoRA parameters of one named adapter (by name, whichever adapter is active)."""
+    return [p for n, p in model.named_parameters() if "lora_" in n and f".{adapter}." in n]
+
+
+def fill_defaults(args, values):
+    """`args` with each option left at None set from `values` (PRESETS, the policy's defaults)."""
+    return dataclasses.replace(args, **{k: v for k, v in values.items()
+                                        if getattr(args, k) is None})
+
+
+def seed_everything(seed):
+    """Seeds python, numpy and torch; returns the numpy generator of the run's tasks and batches."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    return np.random.default_rng(seed)
+
+
+def resumed_args(args):
+    """--resume RUN_DIR: the arguments that run started with (its config.json), to go on with it."""
+    from common.models import UserError
+
+    run_dir = Path(args.resume)
+    if not (run_dir / "checkpoint.pt").is_file():
+        raise UserError(f"--resume {run_dir}: no checkpoint.pt there (a run writes one every "
+                        "--checkpoint-every iterations); pass a run that reached its first one")
+    saved = json.loads((run_dir / "config.json").read_text())
+    names = {f.name for f in dataclasses.fields(args)} - {"resume"}
+    return dataclasses.replace(args, **{k: v for k, v in saved.items() if k in names})
+
+
+def start_run(args, extra):
+    """The run directory, its config.json (every Args field as resolved, and `extra`), a Logger.
+    With --resume: the run's own directory, its config.json as written when it started."""
+    if args.resume:
+        print(f"run dir: {args.resume} (resumed)")
+        return Path(args.resume), Logger(Path(args.resume), args.track)
+    name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_dir = Path(args.output_dir) / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    print(f"run dir: {run_dir}")
+    (run_dir / "config.json").write_text(json.dumps({**asdict(args), **extra}, indent=2))
+    return run_dir, Logger(run_dir, args.track)
 
 
 class Logger:
@@ -1001,25 +1034,6 @@ class Logger:
 
 def save_adapter(model, run_dir: Path):
     model.save_pretrained(str(run_dir / "adapter"))
-
-
-def resumed_args(args):
-    """--resume RUN_DIR: the arguments that run started with (its config.json), to go on with it."""
-    from common.models import UserError
-
-    run_dir = Path(args.resume)
-    if not (run_dir / "checkpoint.pt").is_file():
-        raise UserError(f"--resume {run_dir}: no checkpoint.pt there (a run writes one every "
-                        "--checkpoint-every iterations); pass a run that reached its first one")
-    saved = json.loads((run_dir / "config.json").read_text())
-    names = {f.name for f in dataclasses.fields(args)} - {"resume"}
-    return dataclasses.replace(args, **{k: v for k, v in saved.items() if k in names})
-
-
-def fill_defaults(args, values):
-    """`args` with each option left at None set from `values` (PRESETS, the policy's defaults)."""
-    return dataclasses.replace(args, **{k: v for k, v in values.items()
-                                        if getattr(args, k) is None})
 
 
 def save_checkpoint(run_dir: Path, it, model, optimizers, rng, evals, extra=None):
@@ -1061,113 +1075,6 @@ def load_checkpoint(run_dir: Path, model, optimizers, rng):
     return ck["iteration"], ck["evals"], ck["extra"]
 
 
-# ----------------------------------------------------------------------------------------------
-# 6. Main loop
-# ----------------------------------------------------------------------------------------------
-def make_env(args):
-    """The env factory `new_env` (user errors -> UserError), one probe instance, the policy's
-    model-dependent defaults (`policy_defaults`) and the env options."""
-    import envs
-    from common.models import UserError, policy_defaults
-
-    if args.env_id not in envs.available():
-        raise UserError(f"env {args.env_id!r} is not available in this checkout; available env "
-                        f"ids: {', '.join(envs.available()) or 'none'}")
-    # a tiny policy was trained on prompts rendered with its recipe's env options: use the same ones
-    real = PRESETS["real"]
-    defaults = policy_defaults(args.model_name, args.env_id, args.tiny_preset,
-                               learning_rate=real["learning_rate"],
-                               max_new_tokens=real["max_new_tokens"],
-                               tiny_learning_rate=PRESETS["tiny"]["learning_rate"])
-    kw = dict(defaults.env_kwargs)
-    if args.history is not None:
-        kw["history"] = args.history
-    if args.env_id == "sokoban":
-        kw["reward"] = args.sokoban_reward
-
-    def new_env():
-        env = envs.make(args.env_id, **kw)
-        if args.env_id in envs.TWO_PLAYER:
-            env = envs.vs_opponent(env, opponent=args.opponent)
-        if args.max_turns:
-            env.max_turns = args.max_turns
-        return env
-
-    try:
-        probe = new_env()
-        probe.reset(probe.task_ids("test")[0])
-    except ValueError as e:
-        raise UserError(f"env {args.env_id!r}: {e}") from None
-    return new_env, probe, defaults, kw
-
-
-def resolve_prm_defaults(args, is_tiny, lr):
-    """Fill `prm_learning_rate` and `prm_replay` left at None, in place: PRESETS["tiny"] on the tiny
-    policy; on a real model the official settings, 2x the policy lr `lr` and no replay."""
-    preset = PRESETS["tiny"] if is_tiny else dict(PRESETS["real"], prm_learning_rate=2 * lr)
-    for key in ("prm_learning_rate", "prm_replay"):
-        if getattr(args, key) is None:
-            setattr(args, key, preset[key])
-
-
-def resolve_args(args, defaults):
-    """`args` with every option left at None filled in (PRESETS through `defaults` and
-    `resolve_prm_defaults`, POSITIVE_THRESHOLD_BY_ENV): the values the run uses and config.json
-    records."""
-    def given(value, default):
-        return default if value is None else value
-
-    resolved = dataclasses.replace(
-        args, learning_rate=given(args.learning_rate, defaults.learning_rate),
-        max_new_tokens=args.max_new_tokens or defaults.max_new_tokens,
-        positive_threshold=given(args.positive_threshold,
-                                 POSITIVE_THRESHOLD_BY_ENV.get(args.env_id)),
-        micro_batch_size=given(args.micro_batch_size,
-                               PRESETS["tiny" if defaults.is_tiny else "real"]["micro_batch_size"]))
-    resolve_prm_defaults(resolved, defaults.is_tiny, resolved.learning_rate)  # the new copy
-    return resolved
-
-
-def check_args(args):
-    """User errors in the (resolved) arguments -> UserError, one line that says what to do."""
-    from common.models import UserError
-
-    rules = [
-        (args.group_size >= 2,
-         "--group-size must be >= 2 (advantages compare the trajectories of a task)"),
-        (args.tasks_per_iteration >= 1 and args.num_iterations >= 0
-         and (args.micro_batch_size is None or args.micro_batch_size >= 1),  # None: by model
-         "--tasks-per-iteration and --micro-batch-size must be >= 1, --num-iterations >= 0"),
-        (args.history is None or args.history >= 0,
-         f"--history must be >= 0 (or None), got {args.history}"),
-        (args.beta > 0, "--beta must be > 0 (it scales the implicit reward, paper: 0.05)"),
-        (args.prm_updates_per_iteration >= 1,
-         f"--prm-updates-per-iteration must be >= 1, got {args.prm_updates_per_iteration} "
-         "(--alpha 0 turns the PRM off)"),
-        (args.prm_replay is None or args.prm_replay >= 0,
-         "--prm-replay must be >= 0 (earlier iterations whose pairs the PRM also trains on), "
-         f"got {args.prm_replay}"),
-        (args.prm_learning_rate is None or args.prm_learning_rate > 0,
-         f"--prm-learning-rate must be > 0, got {args.prm_learning_rate}"),
-    ]
-    for ok, message in rules:
-        if not ok:
-            raise UserError(message)
-
-
-def seed_everything(seed):
-    """Seeds python, numpy and torch; returns the numpy generator of the run's tasks and batches."""
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    return np.random.default_rng(seed)
-
-
-def adapter_params(model, adapter):
-    """The LoRA parameters of one named adapter (by name, whichever adapter is active)."""
-    return [p for n, p in model.named_parameters() if "lora_" in n and f".{adapter}." in n]
-
-
 def main(args: Args):
     from common.models import add_adapter, load_policy
 
@@ -1184,44 +1091,28 @@ def main(args: Args):
     test_tasks = list(probe.task_ids("test"))[: args.eval_num_tasks or None]  # 0: all of them
     use_prm = args.alpha != 0
 
+    lora = dict(lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout)
     model, tok = load_policy(args.model_name, env_id=args.env_id, tiny_preset=args.tiny_preset,
-                             load_in_4bit=args.load_in_4bit, lora_r=args.lora_r,
-                             lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                             load_in_4bit=args.load_in_4bit, **lora,
                              activation_checkpointing=args.activation_checkpointing)
-    add_adapter(model, "prm", lora_r=args.lora_r, lora_alpha=args.lora_alpha,
-                lora_dropout=args.lora_dropout)
+    add_adapter(model, "prm", **lora)  # the PRM π_φ: a second LoRA adapter on the same base model
     model.set_adapter("default")
-    policy_params, prm_params = adapter_params(model, "default"), adapter_params(model, "prm")
-    if not policy_params or not prm_params:
-        raise RuntimeError("could not find the LoRA parameters of the policy and PRM adapters")
-    optimizer = torch.optim.AdamW(policy_params, lr=args.learning_rate,
+    optimizer = torch.optim.AdamW(adapter_params(model, "default"), lr=args.learning_rate,
                                   weight_decay=args.weight_decay)
-    prm_optimizer = torch.optim.AdamW(prm_params, lr=args.prm_learning_rate,
+    prm_optimizer = torch.optim.AdamW(adapter_params(model, "prm"), lr=args.prm_learning_rate,
                                       weight_decay=args.weight_decay)
-    run_dir, logger = start_run(args, {"env_kwargs": env_kwargs,
-                                       "max_turns_resolved": probe.max_turns,
-                                       "num_train_tasks": len(train_tasks),
-                                       "num_test_tasks": len(test_tasks)})
-
-    def run_eval(it):
-        t0 = time.time()
-        row, records = evaluate(model, tok, new_env, test_tasks, args)
-        row["perf/eval_seconds"] = time.time() - t0
-        logger.log_samples(it, records)
-        tqdm.write(eval_line(it, row))
-        return row
-
-    heldout = []  # per iteration with the PRM: (it, correct, pairs) per group, before it trained
-    replay = deque(maxlen=args.prm_replay)  # the paired batches of the last --prm-replay iterations
     optimizers = {"policy": optimizer, "prm": prm_optimizer}
+    run_dir, logger = start_run(args, {
+        "env_kwargs": env_kwargs, "max_turns_resolved": probe.max_turns,
+        "num_train_tasks": len(train_tasks), "num_test_tasks": len(test_tasks)})
+
+    replay = deque(maxlen=args.prm_replay)  # the paired batches of the last --prm-replay iterations
     start = 0
     if args.resume:
         start, (first_eval, last_eval), state = load_checkpoint(run_dir, model, optimizers, rng)
-        heldout = state["heldout"]
-        replay.extend(dict(b, samples=[Sample(**x) for x in b["samples"]])
-                      for b in state["replay"])
+        replay.extend(dict(b, samples=[Sample(**x) for x in b["samples"]]) for b in state["replay"])
     else:
-        first_eval = last_eval = run_eval(0)
+        first_eval = last_eval = run_eval(0, model, tok, new_env, test_tasks, args, logger)
         logger.log(0, first_eval)
 
     bar = tqdm(range(start + 1, args.num_iterations + 1), desc="istar", dynamic_ncols=True)
@@ -1241,22 +1132,20 @@ def main(args: Args):
 
         # the PRM scores every step (Eq. 1's log-ratios), then takes its DPO step (Eq. 2)
         t2 = time.time()
-        prm_signal = None
+        prm_signal, prm_stats = None, {}
         if use_prm:
             _, positive, traj_group = trajectory_outcomes(episodes, args.invalid_penalty,
                                                           args.positive_threshold)
-            prm_signal, step_rewards, pstats, mine = prm_update(
+            prm_signal, step_rewards, prm_stats, mine = prm_update(
                 model, tok, prm_optimizer, turns, positive, traj_group, args, replay)
-            heldout.append((it, *pstats["heldout_counts"]))
             replay.appendleft(mine)  # newest first; the deque keeps the last --prm-replay
+            logger.log_samples(it, [step_reward_record(episodes, step_rewards, positive)])
         seconds["prm"] = time.time() - t2
 
         t3 = time.time()
         samples, cstats = compute_advantages(episodes, args, signal=prm_signal)  # Eq. 3-5
         for x, turn in zip(samples, turns):
             x.old = turn.old
-        if use_prm:
-            cstats.update({f"prm/{k}": v for k, v in pstats.items() if isinstance(v, (int, float))})
         seconds["credit"] = time.time() - t3
 
         t4 = time.time()
@@ -1264,32 +1153,26 @@ def main(args: Args):
         seconds["update"] = time.time() - t4
         seconds["iteration"] = time.time() - t0
 
-        row = iteration_row(episodes, samples, ustats, cstats, seconds)
-        logger.log_samples(it, [step_reward_record(episodes, step_rewards)] if use_prm else [])
+        row = iteration_row(episodes, samples, ustats, cstats, prm_stats, seconds)
         if args.eval_every and (it % args.eval_every == 0 or it == args.num_iterations):
-            last_eval = run_eval(it)
+            last_eval = run_eval(it, model, tok, new_env, test_tasks, args, logger)
             row.update(last_eval)
         logger.log(it, row)
         if args.checkpoint_every and it % args.checkpoint_every == 0:
             # the replayed samples as dicts: checkpoint.pt loads without this file's classes
-            state = {"heldout": heldout,
-                     "replay": [dict(b, samples=[asdict(x) for x in b["samples"]]) for b in replay]}
+            state = {"replay": [dict(b, samples=[asdict(x) for x in b["samples"]]) for b in replay]}
             save_checkpoint(run_dir, it, model, optimizers, rng, (first_eval, last_eval), state)
             if args.save_model:
                 save_adapter(model, run_dir)
-        bar.set_postfix(success=f"{row['charts/success']:.2f}",
-                        reward=f"{row['charts/return']:.2f}",
-                        loss=f"{row['losses/policy_loss']:.3f}",
-                        prm_acc=f"{row.get('prm/heldout_pair_acc', math.nan):.2f}")
+        bar.set_postfix(success=row["charts/success"], reward=row["charts/return"],
+                        loss=row["losses/policy_loss"], prm_loss=row.get("prm/loss", math.nan))
     if args.num_iterations and not args.eval_every:
-        last_eval = run_eval(args.num_iterations)
+        last_eval = run_eval(args.num_iterations, model, tok, new_env, test_tasks, args, logger)
         logger.log(args.num_iterations, last_eval)
     if args.save_model:
         save_adapter(model, run_dir)
-    extra = ({"prm_heldout_pair_acc": heldout_summary(heldout, args.num_iterations)} if use_prm
-             else {})
     return write_summary(run_dir, args, time.time() - t_start, first_eval, last_eval,
-                         "eval/success", **extra)
+                         "eval/success")
 
 
 if __name__ == "__main__":

@@ -449,7 +449,9 @@ def istar_batch(cfg: Config, env_id: str = "sokoban", argv: Sequence[str] = (), 
         replay.appendleft(mine)
     episodes, samples = batch()
     _, succ, grp = ist.trajectory_outcomes(episodes, args.invalid_penalty, threshold)
-    log_ratios, _, pstats, _ = ist.prm_update(model, tok, prm_optimizer, samples, succ, grp, args, replay)
+    log_ratios, step_rewards, pstats, _ = ist.prm_update(model, tok, prm_optimizer, samples, succ, grp, args, replay)
+    held = _import_script("benchmarks.istar_prm_stats").pair_counts(  # the held-out pair accuracy
+        step_rewards, [x.traj for x in samples], succ, grp, args.dpo_reduce)
     log_ratios_in = ist.prm_log_ratios(model, tok, samples, args)
     model.set_adapter("default")
 
@@ -489,7 +491,7 @@ def istar_batch(cfg: Config, env_id: str = "sokoban", argv: Sequence[str] = (), 
                        model_policy(ist, model, tok, args.temperature, max_new), cfg,
                        dict(episodes=len(episodes), success=float(np.mean([e.success for e in episodes])),
                             prm_warm_batches=warm_batches, prm_learning_rate=prm_lr, prm_replay=args.prm_replay,
-                            prm_heldout_pair_acc=pstats["heldout_pair_acc"],
+                            prm_heldout_pair_acc=held["acc"],
                             prm_pairs=pstats["pairs"],
                             return_measured=(f"env return ({args.sokoban_reward} reward)" if env_id == "sokoban" else "env return")
                             + f" - {args.invalid_penalty:g} x invalid actions"))
@@ -622,7 +624,9 @@ def aria_batch(cfg: Config, env_id: str = "bargaining", argv: Sequence[str] = ()
             _check_replay(game.env, ep.utterances[1::2], ep.traj_id)
         texts += played
         keys += _prefix_keys(ep.task_id, played)
-        raw = ar.episode_returns(ep, args.gamma)  # REINFORCE's weights: the raw discounted returns
+        players = [s["player"] for s in ep.steps]  # REINFORCE's weights: the raw discounted returns
+        raw = ar.turn_returns([ep.traj_id] * len(players), players, [ep.outcome.get(p, 0.0) for p in players],
+                              args.gamma)
         for t, s in enumerate(ep.steps):
             rets.append(outcome_of(s["player"]))
             x = by_step[(ep.traj_id, t)]
@@ -654,6 +658,7 @@ def epo_batch(cfg: Config, env_id: str = "negotiation", argv: Sequence[str] = ()
 
     ep_mod = _import_script("epo")
     from common.models import load_policy
+    from common.tiny import strategist_overrides
 
     games_n = cfg.tasks * cfg.group
     args = tyro.cli(ep_mod.Args, args=["--env-id", env_id, "--seed", str(cfg.seed),
@@ -670,7 +675,7 @@ def epo_batch(cfg: Config, env_id: str = "negotiation", argv: Sequence[str] = ()
     players, styles = list(probe.players), list(probe.opponent_styles())
     model, tok = load_policy(args.model_name, env_id=env_id, tiny_preset=args.tiny_preset, load_in_4bit=False,
                              lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                             tiny_overrides=ep_mod.tiny_overrides(env_id) if args.model_name == "tiny" else None)
+                             tiny_overrides=strategist_overrides(env_id))
     train = list(probe.task_ids("train"))
     pick = rng.choice(len(train), size=games_n, replace=len(train) < games_n)
     games = ep_mod.training_games(new_env, [train[int(i)] for i in pick], players, styles, args, rng)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 import time
@@ -25,6 +26,8 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+import istar_prm_stats  # noqa: E402  (the PRM's statistics, from what istar.py logs)
 
 MODES = {
     "istar": ("iStar (RLOO)", ["--alpha", "1", "--estimator", "rloo"]),
@@ -63,32 +66,28 @@ def load_runs(out_dir):
         cfg = json.loads((d / "config.json").read_text())
         rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()]
         rows = [{OLD_KEYS.get(k, k): v for k, v in r.items()} for r in rows]
-        add_progress_corr(rows, d / "samples.jsonl")
+        add_prm_stats(rows, d, cfg)
         runs[(mode_of(cfg), cfg["seed"])] = (cfg, rows, json.loads((d / "summary.json").read_text()))
     return runs
 
 
-def pearson(x, y):
-    """Pearson correlation over the finite pairs; nan when fewer than 3 or a constant side."""
-    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
-    ok = np.isfinite(x) & np.isfinite(y)
-    x, y = x[ok], y[ok]
-    if len(x) < 3 or x.std() == 0 or y.std() == 0:
-        return float("nan")
-    return float(np.corrcoef(x, y)[0, 1])
-
-
-def add_progress_corr(rows, samples_path):
-    """credit/step_reward_progress_corr of every iteration with the PRM: the Pearson correlation, over all
-    steps of the iteration, of the step's implicit reward with its change of env progress (istar.py writes
-    both to samples.jsonl; the first step of an episode has no progress before it and is left out)."""
+def add_prm_stats(rows, run_dir, cfg):
+    """The PRM's statistics of every iteration with the PRM (benchmarks/istar_prm_stats.py, from the
+    run's samples.jsonl: held-out pair accuracy and margin, step rewards of positive and negative
+    trajectories, credit/step_reward_progress_corr: the Pearson correlation, over all steps of the
+    iteration, of the step's implicit reward with its change of env progress; the first step of an
+    episode has no progress before it and is left out), added to its metrics row; a value the row
+    already holds (runs that logged it themselves) is kept, NaN becomes None as in metrics.jsonl."""
+    recs = istar_prm_stats.records(run_dir)
+    if not recs:
+        return
+    new_env = istar_prm_stats.run_env(cfg)
     by_it = {r["iteration"]: r for r in rows}
-    for line in samples_path.read_text().splitlines() if samples_path.is_file() else []:
-        rec = json.loads(line)
-        if rec.get("tag") == "train_step_rewards" and rec["iteration"] in by_it:
-            prog = [np.nan if d is None else d for d in rec["progress_delta"]]
-            c = pearson(rec["step_reward"], prog)
-            by_it[rec["iteration"]]["credit/step_reward_progress_corr"] = c if np.isfinite(c) else None
+    for it, rec in recs:
+        if it in by_it:
+            stats = istar_prm_stats.iteration_stats(rec, cfg.get("dpo_reduce", "mean"), new_env)
+            for k, v in stats.items():
+                by_it[it].setdefault(k, v if math.isfinite(v) else None)
 
 
 def fmt(vals, digits=3):

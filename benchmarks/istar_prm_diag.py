@@ -32,6 +32,8 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+import istar_prm_stats  # noqa: E402  (pair_counts, pooled_pair_accuracy)
 OUT = REPO / "runs" / "istar_prm_diag"
 KEYS = {"lr": ("prm_learning_rate", float), "k": ("prm_updates_per_iteration", int), "beta": ("beta", float),
         "reduce": ("dpo_reduce", str), "replay": ("prm_replay", int)}
@@ -113,15 +115,15 @@ def cmd_run(a):
                 for p, w in zip(prm_params, c["weights"]):
                     p.copy_(w)
             _, step_r, st, mine = istar.prm_update(model, tok, c["opt"], turns, succ, grp, c["args"], c["replay"])
+            held = istar_prm_stats.pair_counts(step_r, [x.traj for x in turns], succ, grp, c["args"].dpo_reduce)
             c["replay"].appendleft(mine)
             with torch.no_grad():
                 c["weights"] = [p.detach().clone() for p in prm_params]
             c["cpu"] += time.process_time() - t0
             r = step_r.double().numpy()
             row["configs"][c["name"]] = {
-                **{k: v for k, v in st.items() if isinstance(v, (int, float))},
-                "heldout_correct": st["heldout_counts"][0].tolist(),
-                "heldout_group_pairs": st["heldout_counts"][1].tolist(),
+                **st, "heldout_pair_acc": held["acc"], "heldout_margin": held["margin"],
+                "heldout_correct": held["correct"].tolist(), "heldout_group_pairs": held["pairs"].tolist(),
                 "optimal_auc": auc(r[optimal], r[~optimal]), "optimal_frac": float(optimal.mean()),
                 "step_reward_abs_mean": float(np.abs(r).mean()), "prm_cpu_seconds": c["cpu"]}
         samples, _ = istar.compute_advantages(episodes, base)  # RLOO (no PRM signal)
@@ -136,8 +138,6 @@ def cmd_run(a):
 
 
 def cmd_report(a):
-    import istar
-
     rows = [json.loads(x) for x in (a.out / "results.jsonl").read_text().splitlines() if x.strip()]
     runs = sorted({r["run"] for r in rows})
     lines = ["PRM settings trained side by side on one RLOO stream (`benchmarks/istar_prm_diag.py`); per run "
@@ -155,7 +155,7 @@ def cmd_report(a):
             cells = []
             for lo, hi in ((1, q), (n - q + 1, n)):
                 sel = [r["configs"][name] for r in rr if lo <= r["iteration"] <= hi]
-                acc, se = istar.pooled_pair_accuracy(sum((s["heldout_correct"] for s in sel), []),
+                acc, se = istar_prm_stats.pooled_pair_accuracy(sum((s["heldout_correct"] for s in sel), []),
                                                      sum((s["heldout_group_pairs"] for s in sel), []))
                 cells.append(f"{acc:.3f} ± {se:.3f}")
             for lo, hi in ((1, q), (n - q + 1, n)):

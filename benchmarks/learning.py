@@ -21,8 +21,8 @@ each with its standard error), the greedy metric before and after (with its SE w
 one), the learning curve (the main metric at every evaluation), the means over iterations of the run's
 `credit/*` and `perf/*` metrics, the means of the training rollouts' `charts/*` metrics over the first
 and over the last quarter of the iterations (`train_charts`: e.g. the success on the train tasks beside
-the test metric), the method's end-of-run statistics from summary.json (`prm_*`: iStar's
-held-out PRM pair accuracy), wall seconds of the subprocess, iterations, the run's config.json, the
+the test metric), the method's end-of-run statistics (`prm_*`: iStar's held-out PRM pair accuracy,
+from benchmarks/istar_prm_stats.py), wall seconds of the subprocess, iterations, the run's config.json, the
 tiny policy (the recipe hash of its tiny_meta.json and a hash of its weights: the same recipe builds
 different weights on different machines), the machine (CPU model and count, load average at the start
 and end of the run, torch and transformers versions), the git commit and whether tracked files outside
@@ -254,7 +254,8 @@ def describe_policy(mod, args) -> dict:
 
     name = args.model_name
     if name == "tiny":
-        overrides = mod.tiny_overrides(args.env_id) if hasattr(mod, "tiny_overrides") else None
+        # EPO's tiny strategist is built with its own recipe overrides (common/tiny.py)
+        overrides = tiny.strategist_overrides(args.env_id) if mod.__name__ == "epo" else None
         path = tiny.ensure_tiny(args.env_id, preset=args.tiny_preset, overrides=overrides)
     else:
         path = Path(name).expanduser()
@@ -353,6 +354,15 @@ def greedy_block(first: dict, last: dict, metric: str):
     return None
 
 
+def method_stats(run_dir: Path, summary: dict) -> dict:
+    """The method's own end-of-run statistics (iStar: the held-out PRM pair accuracy, measured by
+    benchmarks/istar_prm_stats.py from the run's samples.jsonl; older runs wrote it to summary.json)."""
+    spec = importlib.util.spec_from_file_location("istar_prm_stats", REPO / "benchmarks" / "istar_prm_stats.py")
+    prm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prm)
+    return {**{k: v for k, v in summary.items() if k.startswith("prm_")}, **prm.run_stats(run_dir)}
+
+
 def collect(run_dir: Path) -> dict:
     """The measured part of a result line, from a finished run's summary.json, metrics.jsonl, config.json."""
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -370,8 +380,7 @@ def collect(run_dir: Path) -> dict:
             "greedy": greedy_block(summary["first_eval"], summary["last_eval"], metric), "curve": curve,
             "credit_means": numeric_means(rows, "credit/"), "perf_means": numeric_means(rows, "perf/"),
             "train_charts": window_means(rows, "charts/"),
-            # the method's own end-of-run statistics from summary.json (iStar: the held-out PRM pair accuracy)
-            "method_stats": {k: v for k, v in summary.items() if k.startswith("prm_")},
+            "method_stats": method_stats(run_dir, summary),
             "iterations": summary["iterations"], "config": config}
 
 

@@ -1,5 +1,5 @@
-"""iStar: credit functions against hand-computed numbers, the PRM/policy adapter separation, and the
-script end to end on the micro tiny policy."""
+"""iStar: credit functions against hand-computed numbers, the PRM/policy adapter separation, the PRM's
+measurements (benchmarks/istar_prm_stats.py), and the script end to end on the micro tiny policy."""
 
 import dataclasses
 import math
@@ -11,12 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, adapter_tensors, assert_adapter_trained, assert_run_outputs, read_metrics
-from istar import (Args, Episode, Sample, heldout_summary, implicit_step_rewards, istar_advantages, merge_batches,
-                   normalize_step_rewards, pair_counts, paired_batch, pooled_pair_accuracy, preference_pairs,
-                   prm_update, traj_in_pair, trajectory_dpo_loss, trajectory_outcomes, trajectory_scores, update)
+from conftest import REPO, adapter_tensors, assert_adapter_trained, assert_run_outputs, load_benchmark, read_metrics
+from istar import (Args, Episode, Sample, implicit_step_rewards, implicit_turn_rewards, istar_advantages,
+                   merge_batches, normalize_step_rewards, paired_batch, preference_pairs, prm_log_ratios, prm_update,
+                   traj_in_pair, trajectory_dpo_loss, trajectory_outcomes, trajectory_scores, update)
 
 torch.set_num_threads(1)
+prm_stats = load_benchmark("istar_prm_stats")  # the PRM's measurements, from what the run logs
+pair_counts, pooled_pair_accuracy, heldout_summary = (prm_stats.pair_counts, prm_stats.pooled_pair_accuracy,
+                                                      prm_stats.heldout_summary)
 
 
 def softplus(x):  # -log sigmoid(d) = log(1 + exp(-d)) = softplus(-d)
@@ -153,7 +156,39 @@ def test_heldout_summary_pools_the_first_and_last_quarter():
     assert first["iterations"] == [1, 2] and first["pairs"] == 8 and first["groups"] == 3
     assert first["acc"] == pytest.approx(3 / 8) and last["acc"] == pytest.approx(4 / 8) and last["groups"] == 2
     assert last["se"] == pytest.approx(0.25)  # residuals 3 - 2 = 1 and 1 - 2 = -1: sqrt(2/1 * 2) / 8
-    assert heldout_summary([], 8)["last_quarter"]["acc"] is None  # no pairs: null in summary.json
+    assert heldout_summary([], 8)["last_quarter"]["acc"] is None  # no pairs: null in method_stats
+
+
+def test_iteration_stats_of_a_record_by_hand():
+    # the six trajectories above: pairs as in test_pair_counts_hand_computed; positive trajectories 0, 3, 4 have
+    # steps 0.3, 0.1, 0.5, 0.0 (mean 0.225), negative 1, 2, 5 have 0.3, -0.1 x 4, 1.0 (mean 0.15); all ten steps:
+    # mean 1.8 / 10, mean |r| 2.6 / 10
+    st = prm_stats.iteration_stats({"step_reward": STEP_R, "traj": TRAJ_IX, "positive": SUCC, "group": GROUP})
+    assert st["prm/heldout_pair_acc"] == pytest.approx(0.5) and st["prm/heldout_margin"] == pytest.approx(0.1)
+    assert st["credit/step_reward_success_mean"] == pytest.approx(0.225)
+    assert st["credit/step_reward_failure_mean"] == pytest.approx(0.15)
+    assert st["credit/step_reward_mean"] == pytest.approx(0.18) and st["credit/step_reward_abs_mean"] == pytest.approx(0.26)
+    assert "credit/step_reward_progress_corr" not in st  # only with the run's env
+
+
+def test_progress_deltas_replay_the_env_inputs_by_hand():
+    """Each training step's change of env progress, replayed from the record's env inputs ("" for an invalid
+    step, which changes no state); NaN where the env reports none (after reset: the first step)."""
+    class Counter:  # progress = valid moves / 4; any action but "" is a valid move
+        def reset(self, task):
+            self.moves = {"t0": 0, "t1": 2}[task]
+
+        def progress(self):
+            return None
+
+        def step(self, action):
+            self.moves += bool(action)
+            return SimpleNamespace(info={"progress": self.moves / 4})
+
+    rec = {"traj": [0, 0, 0, 1], "action": ["up", "", "left", "up"], "task_id": ["t0", "t1"]}
+    d = prm_stats.progress_deltas(rec, Counter)
+    # t0: 0.25 - NaN, 0.25 - 0.25 (invalid), 0.5 - 0.25; t1: 0.75 - NaN
+    assert len(d) == 4 and math.isnan(d[0]) and d[1:3] == [0.0, 0.25] and math.isnan(d[3])
 
 
 @pytest.mark.parametrize("succ", [[True] * 4, [False] * 4])
@@ -382,9 +417,11 @@ def test_prm_steps_lower_the_dpo_loss_on_a_fixed_batch():
     opt = torch.optim.AdamW(adapter_params(model, "prm"), lr=3e-2)
     losses, accs = [], []
     for _ in range(8):
-        _, _, stats, _ = prm_update(model, tok, opt, samples, succ, group, args)
-        losses.append(stats["loss"])
-        accs.append(stats["heldout_pair_acc"])
+        _, r, stats, _ = prm_update(model, tok, opt, samples, succ, group, args)
+        losses.append(stats["loss"])  # the DPO loss of the batch before the step, as pair_counts scores it
+        held = pair_counts(r, [x.traj for x in samples], succ, group)
+        assert held["loss"] == pytest.approx(stats["loss"], abs=1e-12)
+        accs.append(held["acc"])
     assert losses[0] == pytest.approx(math.log(2), abs=1e-6)  # PRM == π_old at the start
     assert losses[-1] < 0.6 and accs[-1] == 1.0, (losses, accs)
 
@@ -406,7 +443,9 @@ def test_k_prm_steps_equal_k_single_step_updates():
             _, _, stats, _ = prm_update(model, tok, opt, samples, succ, group, args)
             if c == 0:
                 first_stats.append(stats["loss"])
-        finals.append(([p.detach().clone() for p in adapter_params(model, "prm")], stats["train_loss_after"]))
+        fit = implicit_turn_rewards(prm_log_ratios(model, tok, samples, args), args.beta)  # after the steps
+        finals.append(([p.detach().clone() for p in adapter_params(model, "prm")],
+                       pair_counts(fit, [x.traj for x in samples], succ, group)["loss"]))
     (p3, loss3), (p1, loss1) = finals
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(p3, p1))
     assert loss3 == pytest.approx(loss1, abs=1e-6) and loss3 < math.log(2) - 0.05  # three steps fit the batch
@@ -433,7 +472,8 @@ def test_replay_gradient_is_the_pooled_dpo_gradient_over_both_iterations():
     params = adapter_params(model, "prm")
     opt = torch.optim.AdamW(params, lr=0.0)
     _, _, stats, _ = prm_update(model, tok, opt, samples, succ, group, args, replay=[old_batch])
-    assert stats["pairs"] == 2 and stats["train_pairs"] == 4
+    trained = merge_batches([paired_batch(samples, succ, group), old_batch])  # the pairs of both iterations
+    assert stats["pairs"] == 2 and preference_pairs(trained["success"], trained["group"]).shape[0] == 4
     got = [p.grad.clone() for p in params]
     for p in params:
         p.grad = None
@@ -477,17 +517,22 @@ def test_zero_micro_batch_is_a_user_error_before_and_after_resolving():
 def test_prm_defaults_resolve_by_model(is_tiny):
     """PRM lr and replay left at None: the tiny policy's tuned setting (docs/istar.md, "PRM settings on the tiny
     policy"), else the official one (2x the policy lr, no replay); one PRM step per iteration for both; a value
-    given on the command line is kept."""
-    from istar import check_args, resolve_prm_defaults
+    given on the command line is kept, and a real model's PRM lr follows a given policy lr."""
+    from istar import check_args, resolve_args
 
+    defaults = SimpleNamespace(is_tiny=is_tiny, learning_rate=1e-5, max_new_tokens=7)
     args = Args()
     check_args(args)
-    resolve_prm_defaults(args, is_tiny, 1e-5)
+    args = resolve_args(args, defaults)
+    check_args(args)
     got = (args.prm_learning_rate, args.prm_replay, args.prm_updates_per_iteration)
     assert got == ((4e-3, 4, 1) if is_tiny else (pytest.approx(2e-5), 0, 1))
-    given = Args(prm_learning_rate=3e-4, prm_replay=0)
-    resolve_prm_defaults(given, is_tiny, 1e-5)
+    assert (args.learning_rate, args.max_new_tokens, args.micro_batch_size) == (1e-5, 7, 64 if is_tiny else 8)
+    given = resolve_args(Args(prm_learning_rate=3e-4, prm_replay=0), defaults)
     assert (given.prm_learning_rate, given.prm_replay) == (3e-4, 0)
+    lr = resolve_args(Args(learning_rate=1e-4), defaults).prm_learning_rate
+    assert lr == (4e-3 if is_tiny else pytest.approx(2e-4))
+    assert resolve_args(Args(env_id="negotiation"), defaults).positive_threshold == 6.0
 
 
 def test_two_pass_dpo_gradient_equals_pooled_backward():
@@ -568,9 +613,19 @@ def test_end_to_end_istar(runs):
     # which groups hold both a success and a failure depends on the sampled episodes; at least one
     # iteration must have had pairs (the PRM adapter is checked as trained above)
     paired = [r for r in rows if r["prm/pairs"] >= 1]
-    assert paired and all(0.0 <= r["prm/heldout_pair_acc"] <= 1.0 for r in paired)
-    held = summary["prm_heldout_pair_acc"]["last_quarter"]  # 2 iterations: the last quarter is iteration 2
+    assert paired
+    # the PRM's measurements, from the run's samples.jsonl: one record per iteration, whose pairs are the
+    # run's own (its DPO loss is the logged prm/loss)
+    records = dict(prm_stats.records(run_dir))
+    assert sorted(records) == [1, 2]
+    for r in paired:
+        held = pair_counts(records[r["iteration"]]["step_reward"], records[r["iteration"]]["traj"],
+                           records[r["iteration"]]["positive"], records[r["iteration"]]["group"])
+        assert held["loss"] == pytest.approx(r["prm/loss"], abs=1e-12) and int(held["pairs"].sum()) == r["prm/pairs"]
+        assert 0.0 <= prm_stats.iteration_stats(records[r["iteration"]])["prm/heldout_pair_acc"] <= 1.0
+    held = prm_stats.run_stats(run_dir)["prm_heldout_pair_acc"]["last_quarter"]  # 2 iterations: the last is it 2
     assert held["iterations"] == [2, 2] and (held["acc"] is None) == (held["pairs"] == 0)
+    assert "prm_heldout_pair_acc" not in summary  # measured in benchmarks/, not by the script
     for key in ("eval/success", "eval/success_greedy"):
         assert 0.0 <= summary["last_eval"][key] <= 1.0
     assert set(adapter_tensors(run_dir)) != set() and set(adapter_tensors(run_dir, "prm")) != set()
@@ -581,6 +636,7 @@ def test_end_to_end_alpha0_baseline(runs):
     assert_run_outputs(run_dir)
     assert_adapter_trained(run_dir)
     assert not any("prm/loss" in r for r in read_metrics(run_dir))
+    assert not prm_stats.records(run_dir) and prm_stats.run_stats(run_dir) == {}
 
 
 def test_bad_flag_is_one_clear_line(tiny_cache):
