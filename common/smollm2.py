@@ -62,6 +62,7 @@ SYSTEM = {
     "bargaining": "Bargaining game: split $100. Reply accept or propose N (your share).",
     "negotiation": "Negotiation game: trade the product. Reply accept, propose N (a price) or walk away.",
     "alfworld": "Household task: reply with one of the listed actions.",
+    "negotiation_strategist": "Negotiation game: advise your side. Reply Strategy: and a short plan.",
 }
 
 # Per env: the SFT settings (the demonstrations come from the tiny recipe of the env).
@@ -75,6 +76,7 @@ RECIPES: dict[str, dict] = {
     "sokoban": dict(),
     "guess_my_city": dict(),
     "alfworld": dict(),
+    "negotiation_strategist": dict(),  # EPO's strategist (common.tiny.TESTBEDS): strategies, not moves
 }
 
 
@@ -82,25 +84,43 @@ class AdapterError(ValueError):
     """A shipped adapter is listed in the manifest but a file is missing or its checksum differs."""
 
 
+def testbed_name(env_id: str, tiny_overrides: Optional[dict] = None) -> Optional[str]:
+    """The recipe name of a starting policy for `env_id` whose prompts follow the tiny recipe with
+    `tiny_overrides`: the env id without overrides, else the testbed of `common.tiny.TESTBEDS` with those
+    overrides (EPO's strategist: `negotiation_strategist`); None when no testbed has them."""
+    from common import tiny
+
+    if not tiny_overrides:
+        return env_id
+    return next((name for name, (env, tb) in tiny.TESTBEDS.items()
+                 if env == env_id and tb == tiny_overrides), None)
+
+
 def recipe_for(env_id: str, overrides: Optional[dict] = None) -> dict:
-    """The full recipe: the tiny recipe's demonstration settings, its env options plus the one-line system
-    prompt, then `DEFAULTS`, `RECIPES[env_id]` and `overrides`. Unknown env -> ValueError."""
+    """The full recipe of `env_id`, an env id or a testbed name of `common.tiny.TESTBEDS` (the tiny recipe
+    of that env with the testbed's overrides): the tiny recipe's demonstration settings, its env options
+    plus the one-line system prompt, then `DEFAULTS`, `RECIPES[env_id]` and `overrides`. Unknown ->
+    ValueError."""
     from common import tiny
 
     if env_id not in RECIPES:
         raise ValueError(f"no SmolLM2 recipe for env {env_id!r}; known: {', '.join(RECIPES)}")
-    demo = tiny.recipe_for(env_id)
+    name = env_id
+    env_id, testbed_overrides = tiny.TESTBEDS.get(name, (name, None))
+    demo = tiny.recipe_for(env_id, "default", testbed_overrides)
     keep = ("demo_episodes", "eps", "label", "label_noise", "demo_split", "demo_mix", "max_new_tokens")
     recipe = {k: demo[k] for k in keep if k in demo}
     recipe["demo_seed"] = demo["seed"]
-    recipe["env_kwargs"] = {**demo.get("env_kwargs", {}), "system_prompt": SYSTEM[env_id]}
+    recipe["env_kwargs"] = {**demo.get("env_kwargs", {}), "system_prompt": SYSTEM[name]}
     recipe.update(DEFAULTS)
-    recipe.update(RECIPES[env_id])
+    recipe.update(RECIPES[name])
     for key, value in (overrides or {}).items():
         if key not in recipe:
             raise ValueError(f"unknown SmolLM2 recipe key {key!r}; known: {', '.join(sorted(recipe))}")
         recipe[key] = value
     recipe.update(env_id=env_id, base=BASE, builder_version=BUILDER_VERSION)
+    if name != env_id:  # absent for an env's own recipe, whose hash stays what it was
+        recipe["testbed"] = name
     return recipe
 
 
@@ -111,7 +131,8 @@ def recipe_hash(recipe: dict) -> str:
 def work_dir(recipe: dict) -> Path:
     from common.models import model_cache_root
 
-    return model_cache_root() / "smollm2_sft" / f"{recipe['env_id']}__{recipe_hash(recipe)}"
+    name = recipe.get("testbed", recipe["env_id"])
+    return model_cache_root() / "smollm2_sft" / f"{name}__{recipe_hash(recipe)}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -242,7 +263,7 @@ def build(env_id: str, overrides: Optional[dict] = None, max_minutes: float = 0.
     save()
     model.eval()
     t0 = time.time()
-    success = tiny.evaluate(model, tok, env_id, recipe["env_kwargs"], max_tasks=recipe["eval_tasks"],
+    success = tiny.evaluate(model, tok, recipe["env_id"], recipe["env_kwargs"], max_tasks=recipe["eval_tasks"],
                             max_new_tokens=recipe["max_new_tokens"], temperature=1.0, seed=recipe["seed"])
     eval_seconds = time.time() - t0
     tmp = work / "adapter.tmp"
@@ -369,11 +390,12 @@ def ensure_policy(env_id: str, progress: bool = True) -> Optional[Path]:
     return final
 
 
-def policy_recipe(model_name_or_path: str, env_id: str) -> Optional[dict]:
-    """The SFT recipe behind a SmolLM2 starting policy: `smollm2-135m` with an adapter shipped for `env_id`, or
-    a directory holding a smollm2_meta.json; None otherwise (the raw instruct model included)."""
+def policy_recipe(model_name_or_path: str, env_id: str, tiny_overrides: Optional[dict] = None) -> Optional[dict]:
+    """The SFT recipe behind a SmolLM2 starting policy: `smollm2-135m` with an adapter shipped for `env_id`
+    (with `tiny_overrides`: for its testbed, `testbed_name`), or a directory holding a smollm2_meta.json;
+    None otherwise (the raw instruct model included)."""
     if model_name_or_path == BASE:
-        entry = read_manifest()["adapters"].get(env_id)
+        entry = read_manifest()["adapters"].get(testbed_name(env_id, tiny_overrides))
         return None if entry is None else {"env_id": env_id, "env_kwargs": entry["env_kwargs"],
                                            "max_new_tokens": entry["max_new_tokens"]}
     meta = Path(str(model_name_or_path)).expanduser() / "smollm2_meta.json"
@@ -385,7 +407,8 @@ def policy_recipe(model_name_or_path: str, env_id: str) -> Optional[dict]:
 def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(prog="python -m common.smollm2", description=__doc__.split("\n\n")[0])
     p.add_argument("command", choices=["build", "ship", "show"])
-    p.add_argument("--env-id", required=True, choices=sorted(RECIPES))
+    p.add_argument("--env-id", required=True, choices=sorted(RECIPES),
+                   help="an env id, or a testbed of common.tiny.TESTBEDS (negotiation_strategist: EPO's strategist)")
     p.add_argument("--max-minutes", type=float, default=0.0, help="end this sitting after this long (0: no limit)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="recipe overrides (JSON values)")

@@ -64,6 +64,26 @@ def test_recipe_takes_the_tiny_demonstrations_and_a_one_line_system_prompt():
         smollm2.recipe_for("chess")
 
 
+def test_epo_strategist_recipe_is_the_tiny_strategist_testbed():
+    """EPO's strategist has its own recipe: the tiny strategist's demonstrations (strategies, every past move,
+    the style-aware mix), under its testbed name; `--model-name smollm2-135m` finds it through the tiny
+    overrides epo.py passes, and never takes the Negotiation move-level adapter for it."""
+    from common import tiny
+
+    overrides = tiny.strategist_overrides("negotiation")
+    assert smollm2.testbed_name("negotiation", overrides) == "negotiation_strategist"
+    assert smollm2.testbed_name("negotiation") == "negotiation"
+    assert smollm2.testbed_name("negotiation", {"env_kwargs": {"moves": "strategy"}}) is None  # no such testbed
+    recipe = smollm2.recipe_for("negotiation_strategist")
+    demo = tiny.recipe_for("negotiation", "default", overrides)
+    assert recipe["env_id"] == "negotiation" and recipe["testbed"] == "negotiation_strategist"
+    assert recipe["env_kwargs"] == {**demo["env_kwargs"], "system_prompt": smollm2.SYSTEM["negotiation_strategist"]}
+    assert recipe["env_kwargs"]["moves"] == "strategy" and recipe["demo_mix"] == demo["demo_mix"]
+    assert smollm2.work_dir(recipe).name.startswith("negotiation_strategist__")
+    # an env's own recipe has no testbed key, so its hash (and its shipped adapter) is what it was
+    assert "testbed" not in smollm2.recipe_for("negotiation")
+
+
 def test_compact_prompts_cost_well_under_half_the_full_prompt(smol_tok):
     # The same first state of a train task, rendered with SmolLM2's chat template: the env's full system
     # prompt is most of a turn, the compact one a line; the user message is the same.
