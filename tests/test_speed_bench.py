@@ -31,6 +31,11 @@ def test_phases_split_the_wall_time_by_hand(tmp_path):
     assert speed.training_metrics(run) == [{"iteration": 0, "eval/success": 0.1},
                                            {"iteration": 1, "charts/success": 0.2},
                                            {"iteration": 2, "charts/success": 0.3, "eval/success": 0.2}]
+    # equal on the keys both runs logged; a key one run dropped is no difference, a changed value is
+    a = speed.training_metrics(run)
+    assert speed.same_metrics(a, [{k: v for k, v in r.items() if k != "charts/success"} for r in a])
+    assert not speed.same_metrics(a, [a[0], a[1], {**a[2], "eval/success": 0.25}])
+    assert not speed.same_metrics(a, a[:2])
 
 
 def test_report_takes_medians_and_ratios_by_hand(tmp_path):
