@@ -14,7 +14,8 @@ which arm goes first from one repeat to the next, so that drift in the machine's
 
 From each run's metrics.jsonl and its wall time: start-up (the wall time not spent in an evaluation or
 an iteration: imports, model load, env set-up, writing files), evaluation, and per iteration rollout,
-credit (iStar: its PRM step, ARIA: embedding and clustering) and update. One JSON line per run goes to
+credit (iStar: its PRM step, `perf/prm_seconds`; ARIA: embedding and clustering) and update (iStar: with
+the old-policy log-probs it takes before the PRM step). One JSON line per run goes to
 --out (docs/results/speed.jsonl); the table of medians per phase, with the after/before ratio, is
 written to docs/speed.md by `--report` (and after every invocation). A line also records whether the
 run's deterministic training metrics equal the other arm's of the same repeat on every key both logged
@@ -89,9 +90,10 @@ def phases(run_dir: Path, wall: float) -> dict:
     """Seconds per phase of one finished run, from its metrics.jsonl and the process's wall time."""
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     total = {k: sum(r.get(f"perf/{k}_seconds") or 0.0 for r in rows)
-             for k in ("eval", "rollout", "credit", "update", "iteration")}
+             for k in ("eval", "rollout", "credit", "prm", "old_logprob", "update", "iteration")}
     return {"startup": wall - total["eval"] - total["iteration"], "eval": total["eval"],
-            "rollout": total["rollout"], "credit": total["credit"], "update": total["update"], "wall": wall,
+            "rollout": total["rollout"], "credit": total["credit"] + total["prm"],  # iStar: the PRM step
+            "update": total["update"] + total["old_logprob"], "wall": wall,
             "iterations": sum(1 for r in rows if "perf/iteration_seconds" in r)}
 
 

@@ -21,11 +21,12 @@ def test_phases_split_the_wall_time_by_hand(tmp_path):
              "perf/update_seconds": 3.0, "perf/iteration_seconds": 6.0},
             {"iteration": 2, "charts/success": 0.3, "perf/rollout_seconds": 1.0, "perf/credit_seconds": 0.5,
              "perf/update_seconds": 2.0, "perf/iteration_seconds": 4.0, "eval/success": 0.2,
-             "perf/eval_seconds": 5.0}]
+             "perf/eval_seconds": 5.0, "perf/prm_seconds": 0.25, "perf/old_logprob_seconds": 0.5}]
     run = _run_dir(tmp_path, rows)
-    # wall 30: evaluations 4 + 5 = 9, iterations 6 + 4 = 10, so start-up and the rest 30 - 19 = 11
+    # wall 30: evaluations 4 + 5 = 9, iterations 6 + 4 = 10, so start-up and the rest 30 - 19 = 11; credit
+    # 0.5 + 0.5 and iStar's PRM step 0.25; update 3 + 2 and iStar's old-policy log-probs 0.5
     p = speed.phases(run, 30.0)
-    assert p == {"startup": 11.0, "eval": 9.0, "rollout": 3.0, "credit": 1.0, "update": 5.0, "wall": 30.0,
+    assert p == {"startup": 11.0, "eval": 9.0, "rollout": 3.0, "credit": 1.25, "update": 5.5, "wall": 30.0,
                  "iterations": 2}
     # the training metrics drop every clock key and keep the rest, row by row
     assert speed.training_metrics(run) == [{"iteration": 0, "eval/success": 0.1},
