@@ -55,9 +55,9 @@ def test_report_takes_medians_and_ratios_by_hand(tmp_path):
     out.write_text("".join(json.dumps(x) + "\n" for x in lines))
     text = speed.report(out, tmp_path / "speed.md")
     # medians: wall 42 before, 29 after (ratio 0.69); update 22 before, 11 after (0.50)
-    assert "| graphgpo | wall | 42.0 | 29.0 | 0.69 | 3 | yes |" in text
-    assert "| graphgpo | update | 22.0 | 11.0 | 0.50 | 3 | yes |" in text
-    assert "| graphgpo | eval | 10.0 | 10.0 | 1.00 | 3 | yes |" in text
+    assert "| graphgpo | wall | 42.0 (40.0-44.0) | 29.0 (28.0-30.0) | 0.69 | 3 | yes |" in text
+    assert "| graphgpo | update | 22.0 (20.0-30.0) | 11.0 (10.0-12.0) | 0.50 | 3 | yes |" in text
+    assert "| graphgpo | eval | 10.0 (10.0-10.0) | 10.0 (10.0-10.0) | 1.00 | 3 | yes |" in text
     lines[3]["same_metrics"] = False  # one repeat whose arms differ: not the same computation
     out.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    assert "| graphgpo | wall | 42.0 | 29.0 | 0.69 | 3 | no |" in speed.report(out, tmp_path / "speed.md")
+    assert "| graphgpo | wall | 42.0 (40.0-44.0) | 29.0 (28.0-30.0) | 0.69 | 3 | no |" in speed.report(out, tmp_path / "speed.md")
