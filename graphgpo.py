@@ -376,11 +376,21 @@ def fuzzy_node_map(keys, threshold=0.95):
 
 def trajectories_of(group, traj, *per_turn):
     """Per-turn arrays regrouped: {group: {trajectory: [turn rows]}} in order of first appearance,
-    and each array in `per_turn` as a numpy array."""
+    and each array in `per_turn` as a numpy array with one element per turn (a state key that is a
+    tuple, as WebShop's, stays one hashable element)."""
     rows = {}
     for i, (g, m) in enumerate(zip(group, traj)):
         rows.setdefault(g, {}).setdefault(m, []).append(i)
-    return rows, [np.asarray(x) for x in per_turn]
+    return rows, [_one_per_turn(x) for x in per_turn]
+
+
+def _one_per_turn(x):
+    if not any(isinstance(v, (tuple, list)) for v in x):
+        return np.asarray(x)
+    column = np.empty(len(x), dtype=object)  # np.asarray would unpack the tuples into a 2-D array
+    for i, v in enumerate(x):
+        column[i] = tuple(v)
+    return column
 
 
 def graphgpo_advantages(group, traj, state, next_state, success, invalid, omega,

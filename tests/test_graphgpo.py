@@ -59,6 +59,18 @@ def test_graph_distances_takes_the_shortest_path():
 # ---------------------------------------------------------------------------------------------
 # graph_step_advantages
 # ---------------------------------------------------------------------------------------------
+def test_kernel_takes_tuple_states_of_different_lengths():
+    """WebShop's state keys are tuples of different lengths ("search",), ("results", query, page), ...:
+    each stays one state. The kernel's worked example (docstring of graphgpo_advantages) with its states
+    written as such tuples gives its hand-computed advantages: 1.732, 1.862, -1.732, -0.577, 0, -1.284."""
+    a, b, c, d = ("search",), ("results", "red shoes", 1), ("item", "red shoes", 1, "x", ()), ("bought", "y", ())
+    win = ("bought", "x", (("size", "9"),))
+    adv = gg.graphgpo_advantages(group=[0] * 6, traj=[0, 0, 1, 1, 2, 2], state=[a, b, a, c, a, b],
+                                 next_state=[b, win, c, c, b, d], success=[1, 1, 0, 0, 0, 0],
+                                 invalid=[0] * 6, omega=0.5, eps=0.0)
+    assert np.allclose(adv, [1.732, 1.862, -1.732, -0.577, 0.0, -1.284], atol=1e-3)
+
+
 def test_graph_step_advantages_hand_computed():
     # omega = 0.5, r_succ = 10; distances as above (G = the goal node): R = 10 * 0.5 ** (d(s') + 1)
     #   tau_0: A->B d=2: 10/8 = 1.25 | B->C d=3: 10/16 = 0.625 | C->B 1.25 | B->D d=1: 2.5 | D->G d=0: 5
