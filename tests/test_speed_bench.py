@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 from conftest import load_benchmark
 
@@ -37,6 +38,12 @@ def test_phases_split_the_wall_time_by_hand(tmp_path):
     assert speed.same_metrics(a, [{k: v for k, v in r.items() if k != "charts/success"} for r in a])
     assert not speed.same_metrics(a, [a[0], a[1], {**a[2], "eval/success": 0.25}])
     assert not speed.same_metrics(a, a[:2])
+    # the largest relative difference: 0.3 vs 0.30003 -> 3e-5 / 0.30003 = 9.999e-5; rows or text differ: inf
+    assert speed.largest_difference(a, a) == 0.0
+    near = [a[0], a[1], {**a[2], "charts/success": 0.30003}]
+    assert abs(speed.largest_difference(a, near) - 0.00003 / 0.30003) < 1e-12
+    assert speed.largest_difference(a, a[:2]) == math.inf
+    assert speed.largest_difference(a, [a[0], a[1], {**a[2], "charts/success": "x"}]) == math.inf
 
 
 def test_report_takes_medians_and_ratios_by_hand(tmp_path):
@@ -61,3 +68,11 @@ def test_report_takes_medians_and_ratios_by_hand(tmp_path):
     lines[3]["same_metrics"] = False  # one repeat whose arms differ: not the same computation
     out.write_text("".join(json.dumps(x) + "\n" for x in lines))
     assert "| graphgpo | wall | 42.0 (40.0-44.0) | 29.0 (28.0-30.0) | 0.69 | 3 | no |" in speed.report(out, tmp_path / "speed.md")
+    # the same episodes, losses moved in the last digits: the largest difference over the repeats is shown
+    for x, d in zip(lines, [None, 0.0, None, 2e-7, None, 5e-8]):
+        x["largest_difference"] = d
+    out.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert "| graphgpo | wall | 42.0 (40.0-44.0) | 29.0 (28.0-30.0) | 0.69 | 3 | 2e-07 |" in speed.report(out, tmp_path / "speed.md")
+    lines[3]["largest_difference"] = 0.01  # a success rate moved: no
+    out.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert "| 0.69 | 3 | no |" in speed.report(out, tmp_path / "speed.md")
