@@ -69,42 +69,30 @@ class Args:
     # experiment
     exp_name: str = Path(__file__).stem
     """name of the run (the run directory is {env}__{exp_name}__{seed}__{time})"""
-    seed: int = 1
-    """random seed (python, numpy, torch, task sampling)"""
-    output_dir: str = "runs"
-    """directory under which the run directory is created"""
-    track: bool = False
-    """also log to TensorBoard (only if tensorboard is installed)"""
-    save_model: bool = True
-    """save the LoRA adapter to <run>/adapter at checkpoints and at the end"""
+    seed: int = 1  # random seed (python, numpy, torch, task sampling)
+    output_dir: str = "runs"  # directory under which the run directory is created
+    track: bool = False  # also log to TensorBoard (only if tensorboard is installed)
+    save_model: bool = True  # save the LoRA adapter to <run>/adapter at checkpoints and at the end
     checkpoint_every: int = 5
     """save the adapter and checkpoint.pt every this many iterations (0: only at the end)"""
     resume: Optional[str] = None
     """a run directory: continue that run from its checkpoint.pt, with its config.json arguments"""
-    torch_threads: int = 0
-    """CPU threads for torch (0: leave torch's default)"""
+    torch_threads: int = 0  # CPU threads for torch (0: leave torch's default)
 
     # model
     model_name: str = "tiny"
     """'tiny' (the env's tiny strategist), 'smollm2-135m', a hub id or a local directory"""
-    tiny_preset: str = "default"
-    """tiny policy size preset: 'default' or 'micro' (builds in seconds, for tests)"""
+    tiny_preset: str = "default"  # tiny policy size: 'default' or 'micro' (for tests)
     load_in_4bit: Optional[bool] = None
     """None: nf4 on CUDA, plain weights on CPU; True forces 4-bit; False never"""
-    lora_r: int = 16
-    """LoRA rank"""
-    lora_alpha: int = 32
-    """LoRA alpha"""
-    lora_dropout: float = 0.0
-    """LoRA dropout"""
-    activation_checkpointing: bool = False
-    """activation checkpointing in the training forward (saves GPU memory on real models)"""
+    lora_r: int = 16  # LoRA rank
+    lora_alpha: int = 32  # LoRA alpha
+    lora_dropout: float = 0.0  # LoRA dropout
+    activation_checkpointing: bool = False  # in the training forward (saves GPU memory)
     max_new_tokens: Optional[int] = None
     """most tokens per strategy; None: by model (PRESETS; the tiny recipe's budget)"""
-    temperature: float = 0.7
-    """sampling temperature of the strategist in the training episodes (official: 0.7)"""
-    eval_temperature: float = 0.7
-    """sampling temperature of the sampled evaluation (greedy is evaluated as well)"""
+    temperature: float = 0.7  # strategist's sampling temperature in training (official: 0.7)
+    eval_temperature: float = 0.7  # sampled evaluation's temperature (greedy is evaluated too)
 
     # environment
     env_id: str = "negotiation"
@@ -113,56 +101,43 @@ class Args:
     """past moves shown in the prompt; None: the env's (or the tiny recipe's) default"""
     agent: Literal["rule", "base"] = "rule"
     """frozen agent: 'rule' (the env's strategy-following rules) or 'base' (the base model)"""
-    agent_temperature: float = 0.0
-    """sampling temperature of the base agent (0: greedy; official action agent: 0)"""
-    agent_max_new_tokens: Optional[int] = None
-    """most tokens per agent message; None: by model (PRESETS)"""
+    agent_temperature: float = 0.0  # base agent's temperature (0: greedy; official action agent: 0)
+    agent_max_new_tokens: Optional[int] = None  # most tokens per agent message; None: PRESETS
     train_opponent: Optional[str] = None
     """'self' (self-chat, the paper's), 'rule:<style>' or 'rule:any'; None: by model (PRESETS)"""
     eval_num_tasks: int = 0
     """test tasks per evaluation (each played in both roles against every scripted style; 0: all)"""
     eval_opponents: tuple[str, ...] = ()
     """scripted opponent styles of the two-player evaluation (empty: all styles of the game)"""
-    eval_every: int = 10
-    """evaluate every this many iterations (and before training and at the end; 0: only those)"""
-    eval_selfplay: bool = True
-    """also evaluate self-chat (both roles the strategist) on the test tasks"""
-    num_logged_episodes: int = 4
-    """decoded episodes written to samples.jsonl per evaluation and per iteration"""
+    eval_every: int = 10  # evaluate every N iterations (and first and last; 0: only those)
+    eval_selfplay: bool = True  # also evaluate self-chat (both roles the strategist)
+    num_logged_episodes: int = 4  # decoded episodes per evaluation written to samples.jsonl
 
     # algorithm
     num_iterations: int = 40
     """self-play iterations (collect, PRM, weights, train); the paper plateaus after about 5"""
     episodes_per_iteration: int = 64
     """games collected per iteration (self-chat: 2 strategist trajectories per game)"""
-    num_epochs: int = 3
-    """training epochs over each iteration's trajectories (official: 3)"""
-    trajectories_per_step: int = 8
-    """trajectories per optimizer step (official: batch 1 x gradient accumulation 8)"""
+    num_epochs: int = 3  # training epochs over each iteration's trajectories (official: 3)
+    trajectories_per_step: int = 8  # trajectories per optimizer step (official: 1 x accumulation 8)
     micro_batch_size: Optional[int] = None
     """strategy turns (and LLM PRM prompts) per forward pass; None: by model (PRESETS)"""
     learning_rate: Optional[float] = None
     """AdamW learning rate; None: by model (PRESETS; official, full fine-tuning: 1e-6)"""
     warmup_ratio: float = 0.03
     """linear warm-up share of each iteration's steps, then cosine decay to 0 (official)"""
-    weight_decay: float = 0.0
-    """AdamW weight decay (official: 0)"""
-    max_grad_norm: float = 1.0
-    """gradient clipping norm (official: 1.0)"""
-    gamma: float = 0.99
-    """γ of the turn returns (official: 0.99)"""
+    weight_decay: float = 0.0  # AdamW weight decay (official: 0)
+    max_grad_norm: float = 1.0  # gradient clipping norm (official: 1.0)
+    gamma: float = 0.99  # γ of the turn returns (official: 0.99)
     prm: Literal["rule", "llm", "none"] = "rule"
     """process reward: 'rule' (top-k progress gains), 'llm' (the paper's prompt), 'none'"""
-    prm_top_k: int = 2
-    """rule PRM: at most this many critical turns per trajectory"""
+    prm_top_k: int = 2  # rule PRM: at most this many critical turns per trajectory
     prm_min_gain: float = 1e-6
     """rule PRM: a turn is critical only if its progress gain exceeds this"""
     prm_min_final: Optional[float] = None
     """rule PRM: no critical turn in a game ending below this progress; None: by model (PRESETS)"""
-    prm_temperature: float = 0.7
-    """LLM PRM sampling temperature (official: 0.7)"""
-    prm_max_new_tokens: Optional[int] = None
-    """LLM PRM answer length; None: by model (PRESETS)"""
+    prm_temperature: float = 0.7  # LLM PRM sampling temperature (official: 0.7)
+    prm_max_new_tokens: Optional[int] = None  # LLM PRM answer length; None: by model (PRESETS)
     weights: Literal["epo", "ones"] = "epo"
     """'epo': PRM + outcome returns; 'ones': every own strategy weighted 1 (EPO-SFT ablation)"""
     return_norm: Optional[Literal["trajectory", "batch"]] = None
@@ -436,15 +411,52 @@ class CommonNoise:
         return scores / self.temperature - torch.log(-torch.log(u)).to(scores.dtype)
 
 
+class SampledLogprobs:
+    """Temperature sampling as generate's own sampler draws it (softmax(logits / T), one
+    torch.multinomial per row: the same tokens for the same torch seed), keeping each drawn token's
+    log-prob: π_θold's log-probs of the turn, which `update` then need not recompute."""
+
+    def __init__(self, temperature):
+        self.temperature, self.steps = temperature, []
+
+    def __call__(self, input_ids, scores):
+        scaled = scores / self.temperature
+        token = torch.multinomial(torch.softmax(scaled, dim=-1), num_samples=1)
+        self.steps.append(torch.log_softmax(scaled, dim=-1).gather(-1, token)[:, 0].float().cpu())
+        return torch.full_like(scores, -math.inf).scatter_(-1, token, 0.0)  # argmax picks `token`
+
+
+@contextlib.contextmanager
+def merged_lora(model):
+    """The active LoRA adapter merged into its fp32 base weights while sampling or scoring without
+    gradient (one matmul per layer instead of three: ~40% less time per turn on the tiny policy),
+    the weights copied back exactly afterwards (peft's unmerge leaves ~1e-8 of drift). Not merged:
+    a disabled adapter (the base model runs), bf16 or 4-bit weights (merging would round them)."""
+    layers = [m for m in model.modules() if hasattr(m, "lora_A") and m.active_adapters
+              and not m.disable_adapters and not m.merged
+              and m.get_base_layer().weight.dtype == torch.float32]
+    saved = [m.get_base_layer().weight.detach().clone() for m in layers]
+    for m in layers:
+        m.merge()
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for m, w in zip(layers, saved):
+                m.unmerge()
+                m.get_base_layer().weight.copy_(w)
+
+
 @torch.no_grad()
-def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False, noise_keys=None):
-    """One batched generate (left padding, top_k=0, top_p=1, stop at EOS); temperature <= 0 is
-    greedy. `noise_keys` (one tuple of non-negative ints per row): sample with `CommonNoise`
-    instead of generate's own sampler (evaluation). Returns completion id lists: each row up to
-    and including its first EOS, or all `max_new_tokens` tokens when it has none (every one was
-    sampled, even one equal to pad)."""
+def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False, noise_keys=None,
+             logprobs=False):
+    """One batched generate (left padding, top_k=0, top_p=1, stop at EOS, LoRA merged); temperature
+    <= 0 is greedy. `noise_keys` (one tuple of non-negative ints per row): sample with `CommonNoise`
+    instead (evaluation). Returns completion id lists: each row up to and including its first EOS,
+    or all `max_new_tokens` tokens when it has none (every one was sampled, even one equal to pad);
+    with `logprobs`, also each row's token log-probs (None where not drawn by `SampledLogprobs`)."""
     if not prompt_ids:
-        return []
+        return ([], []) if logprobs else []
     device = next(model.parameters()).device
     pad, eos = tok.pad_token_id, tok.eos_token_id
     width = max(len(p) for p in prompt_ids)
@@ -452,16 +464,24 @@ def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False, 
                              dtype=torch.long, device=device)
     attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids],
                              dtype=torch.long, device=device)
-    sample = not greedy and temperature > 0
+    sample, recorder = not greedy and temperature > 0, None
     if sample and noise_keys is not None:  # argmax of logits / T + each row's own Gumbel noise
         kw = dict(do_sample=False, logits_processor=[CommonNoise(noise_keys, temperature, width)])
-    elif sample:  # top_k=0, top_p=1: true temperature sampling (else generate fills in top_k=50)
-        kw = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+    elif sample:  # true temperature sampling (no top-k or top-p), the log-probs kept
+        recorder = SampledLogprobs(temperature)
+        kw = dict(do_sample=False, logits_processor=[recorder])
     else:
         kw = dict(do_sample=False)
-    out = model.generate(input_ids=input_ids, attention_mask=attention,
-                         max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=eos, **kw)
-    return [row[: row.index(eos) + 1] if eos in row else row for row in out[:, width:].tolist()]
+    with merged_lora(model):
+        out = model.generate(input_ids=input_ids, attention_mask=attention, pad_token_id=pad,
+                             eos_token_id=eos, max_new_tokens=max_new_tokens, **kw)
+    rows = [row[: row.index(eos) + 1] if eos in row else row for row in out[:, width:].tolist()]
+    if not logprobs:
+        return rows
+    if recorder is None or not recorder.steps:  # not drawn by the recorder: `update` recomputes
+        return rows, [None] * len(rows)
+    steps = torch.stack(recorder.steps, dim=1)
+    return rows, [steps[b, :len(r)] for b, r in enumerate(rows)]
 
 
 def strategy_of(text: str) -> str:

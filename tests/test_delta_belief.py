@@ -111,6 +111,8 @@ def test_starpo_rewards_and_trajectory_advantages():
 # the kernel and compute_advantages
 # ---------------------------------------------------------------------------------------------
 def test_compute_advantages_gives_the_kernels_numbers_per_turn():
+    import torch
+
     # the kernel's worked example as episodes: τ0 wins on turn 1; τ1, τ2 lose after two questions
     # turn 0: r = 1.95, 0.1, -0.1 -> 1.150, -0.487, -0.664; turn 1: r = -0.1, 0 -> -/+ 1/sqrt 2
     beliefs = [[-3.0, float("nan")], [-3.0, -1.0, -1.0], [-3.0, -3.0, -2.0]]
@@ -119,12 +121,14 @@ def test_compute_advantages_gives_the_kernels_numbers_per_turn():
         ep = db.Episode(traj_id=m, group_id=0, task_id="t", target="cat", beliefs=b, success=m == 0)
         T = len(b) - 1
         ep.prompts, ep.completions, ep.actions = [[1]] * T, [[2]] * T, ["q"] * T
+        ep.logprobs = [torch.tensor([-0.5])] * T  # as sampled: kept as π_θold's
         ep.invalid, ep.repeated = [False] * T, [False] * T
         episodes.append(ep)
     args = db.Args(adv_eps=0.0)
     samples, stats = db.compute_advantages(episodes, args)
     assert [(x.traj, x.turn) for x in samples] == [(0, 0), (1, 0), (1, 1), (2, 0), (2, 1)]
     np.testing.assert_allclose([x.adv for x in samples], [1.150, -0.487, -S2, -0.664, S2], atol=1e-3)
+    assert all(torch.equal(x.old, torch.tensor([-0.5])) for x in samples)  # the sampler's, kept
     assert stats["charts/turn_reward_mean"] == pytest.approx((1.95 + 0.1 - 0.1 - 0.1 + 0.0) / 5)
     # ΔBelief of the turns that have a b after them: 2, 0, 0, 1 -> mean 0.75, positive half
     assert stats["credit/delta_belief_mean"] == pytest.approx(0.75)

@@ -281,6 +281,7 @@ def _graph_batch():
     """Group 0: TAU0 (success) and TAU1; group 1: one failed trajectory x -> y -> x, its second action invalid."""
     rows = [(0, TAU0, True, [False] * 5), (0, TAU1, False, [False] * 3), (1, ["x", "y", "x"], False, [False, True])]
     return [gg.Episode(traj_id=m, group_id=g, task_id=str(g), prompts=[[1]] * len(inv), completions=[[2]] * len(inv),
+                       logprobs=[None] * len(inv),
                        states=list(states), invalid=inv, success=won) for m, (g, states, won, inv) in enumerate(rows)]
 
 

@@ -14,7 +14,8 @@ import torch
 from conftest import REPO
 
 METHODS = ["graphgpo.py", "istar.py", "delta_belief.py", "aria.py", "epo.py"]
-SHARED = ["Sample", "render_prompt", "encode", "completion_text", "CommonNoise", "generate", "completion_logprobs",
+SHARED = ["Sample", "render_prompt", "encode", "completion_text", "CommonNoise", "SampledLogprobs", "merged_lora",
+          "generate", "completion_logprobs",
           "mean_se", "Logger", "start_run", "eval_line", "write_summary", "seed_everything", "fill_defaults",
           "resumed_args", "save_checkpoint", "load_checkpoint"]
 SHARED_WHERE_DEFINED = ["save_adapter", "_padded"]
@@ -119,3 +120,82 @@ def test_common_noise_samples_do_not_depend_on_the_batch(random_llama_dir):
     # other keys, other samples (a random 2-layer model is close to uniform over ~300 tokens)
     other = g.generate(model, tok, prompts, 1.0, 6, noise_keys=[(4, 0, i, 0) for i in range(4)])
     assert other != batch
+
+
+def _policy_with_a_trained_looking_adapter(random_llama_dir):
+    """The random Llama with a LoRA whose B matrices are not zero, so merging it changes the weights."""
+    from common.models import load_policy
+
+    model, tok = load_policy(str(random_llama_dir), load_in_4bit=False, lora_r=4, lora_alpha=8, device="cpu")
+    torch.manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    model.eval()
+    return model, tok
+
+
+def test_sampled_logprobs_draws_generates_own_tokens_and_keeps_their_logprobs(random_llama_dir):
+    """Sampling through `SampledLogprobs` gives the very tokens of generate's own sampler
+    (do_sample=True, top_k=0, top_p=1) for the same torch seed, and the kept log-probs are the
+    log-probs a separate forward computes (what `update` used to recompute as π_θold's)."""
+    import graphgpo as g
+
+    model, tok = _policy_with_a_trained_looking_adapter(random_llama_dir)
+    prompts = [g.encode(tok, t) for t in ["push the box up", "is it an animal?", "left right", "#P_B#"]]
+    width, pad = max(map(len, prompts)), tok.pad_token_id
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    for temperature in (1.0, 0.7):
+        kw = dict(input_ids=ids, attention_mask=attention, max_new_tokens=6, pad_token_id=pad,
+                  eos_token_id=tok.eos_token_id)
+        torch.manual_seed(3)
+        own = model.generate(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, **kw)
+        torch.manual_seed(3)
+        recorder = g.SampledLogprobs(temperature)
+        ours = model.generate(do_sample=False, logits_processor=[recorder], **kw)
+        assert torch.equal(own, ours)
+        torch.manual_seed(3)
+        rows, kept = g.generate(model, tok, prompts, temperature, 6, logprobs=True)  # LoRA merged
+        assert rows == [r[: r.index(tok.eos_token_id) + 1] if tok.eos_token_id in r else r
+                        for r in own[:, width:].tolist()]
+        lp, _ = g.completion_logprobs(model, tok, prompts, rows, temperature=temperature)
+        for b, r in enumerate(rows):
+            assert kept[b].shape == (len(r),)
+            assert torch.allclose(kept[b], lp[b, lp.shape[1] - len(r):], atol=1e-5)
+            assert kept[b].max() < 0  # log-probs of ~300-way draws, not logits
+    # greedy and common-noise rows were not drawn by the recorder: nothing kept, `update` recomputes
+    assert g.generate(model, tok, prompts, 1.0, 6, greedy=True, logprobs=True)[1] == [None] * 4
+    keys = [(1, i) for i in range(4)]
+    assert g.generate(model, tok, prompts, 1.0, 6, noise_keys=keys, logprobs=True)[1] == [None] * 4
+
+
+def test_merged_lora_samples_the_adapter_and_restores_the_weights_exactly(random_llama_dir):
+    """While `generate` samples, the adapter is merged into the base weights; afterwards every weight
+    is bit-for-bit what it was. The merged model scores like the unmerged one; with the adapter
+    disabled nothing is merged, so the base model samples (EPO's frozen agent)."""
+    import graphgpo as g
+
+    model, tok = _policy_with_a_trained_looking_adapter(random_llama_dir)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    prompts = [g.encode(tok, t) for t in ["push the box up", "is it an animal?"]]
+    rows = g.generate(model, tok, prompts, 1.0, 8, greedy=True)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    lp, _ = g.completion_logprobs(model, tok, prompts, rows)
+    with g.merged_lora(model):
+        assert all(m.merged for m in model.modules() if hasattr(m, "lora_A"))
+        merged_lp, _ = g.completion_logprobs(model, tok, prompts, rows)
+        changed = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
+        assert changed and all("base_layer" in n for n in changed)
+    assert torch.allclose(lp, merged_lp, atol=1e-5)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert not any(m.merged for m in model.modules() if hasattr(m, "lora_A"))
+    with model.disable_adapter():
+        base_rows = g.generate(model, tok, prompts, 1.0, 8, greedy=True)
+        with g.merged_lora(model):
+            assert not any(m.merged for m in model.modules() if hasattr(m, "lora_A"))
+    for m in model.modules():
+        if hasattr(m, "lora_A"):
+            m.lora_B["default"].weight.data.zero_()  # the adapter made a no-op: the base model
+    assert g.generate(model, tok, prompts, 1.0, 8, greedy=True) == base_rows
