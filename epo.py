@@ -1108,7 +1108,7 @@ def main(args: Args):
     styles = list(probe.opponent_styles()) if two_player else []
     train_tasks = list(probe.task_ids("train"))
     test_tasks = list(probe.task_ids("test"))[: args.eval_num_tasks or None]  # 0: all of them
-    real = not defaults.is_tiny  # an instruct strategist: its own prompts (strategist_messages)
+    real = not (defaults.is_tiny or defaults.sft)  # instruct: own prompts; tiny, SFT: the demos
     model, tok = load_policy(args.model_name, env_id=args.env_id, tiny_preset=args.tiny_preset,
                              load_in_4bit=args.load_in_4bit, lora_r=args.lora_r,
                              lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,

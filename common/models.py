@@ -386,6 +386,7 @@ class PolicyDefaults:
     learning_rate: float
     max_new_tokens: int
     temperature: float = 1.0
+    sft: bool = False  # a SmolLM2 SFT policy: it saw its recipe's prompts, as a tiny policy does
 
 
 def tiny_recipe(model_name_or_path: str, env_id: str, tiny_preset: str = "default",
@@ -426,7 +427,8 @@ def policy_defaults(model_name_or_path: str, env_id: str, tiny_preset: str = "de
 
         sft = smollm2.policy_recipe(model_name_or_path, env_id, tiny_overrides)  # an SFT policy: its prompts
         if sft is not None and sft.get("env_id", env_id) == env_id:
-            return PolicyDefaults(False, dict(sft["env_kwargs"]), float(learning_rate), int(sft["max_new_tokens"]))
+            return PolicyDefaults(False, dict(sft["env_kwargs"]), float(learning_rate), int(sft["max_new_tokens"]),
+                                  sft=True)
         return PolicyDefaults(False, {}, float(learning_rate), int(max_new_tokens))
     from common.tiny import RL_TEMPERATURE
 

@@ -457,6 +457,16 @@ def test_policy_defaults_tiny_name_dir_and_real_model(tmp_path, random_llama_dir
     for name in ("Qwen/Qwen2.5-0.5B-Instruct", str(random_llama_dir)):
         real = policy_defaults(name, "sokoban", learning_rate=1e-5, max_new_tokens=512)
         assert (real.is_tiny, real.env_kwargs, real.learning_rate, real.max_new_tokens) == (False, {}, 1e-5, 512)
+        assert not real.sft
+    # a SmolLM2 SFT directory (smollm2_meta.json): its recipe's prompts and budget, the real-model lr, `sft`
+    s = tmp_path / "sft_ckpt"
+    s.mkdir()
+    (s / "smollm2_meta.json").write_text(json.dumps({"recipe": {"env_id": "sokoban", "env_kwargs": {"history": 1},
+                                                                "max_new_tokens": 9}}))
+    sft = policy_defaults(str(s), "sokoban", learning_rate=1e-5, max_new_tokens=512)
+    assert (sft.is_tiny, sft.sft, sft.env_kwargs, sft.learning_rate, sft.max_new_tokens) == (
+        False, True, {"history": 1}, 1e-5, 9)
+    assert not tiny.sft
 
     # a method's own tiny learning rate, and the tiny policy's RL temperature (1.0 unless its env is listed)
     assert tiny.temperature == 1.0 and real.temperature == 1.0
