@@ -329,7 +329,6 @@ class Episode:
     task_id: str
     prompts: list = field(default_factory=list)  # per turn: prompt token ids, as sampled
     completions: list = field(default_factory=list)  # per turn: generated ids (EOS if emitted)
-    logprobs: list = field(default_factory=list)  # per turn: their log-probs under the sampler
     actions: list = field(default_factory=list)  # per turn: decoded text
     observations: list = field(default_factory=list)
     invalid: list = field(default_factory=list)
@@ -486,14 +485,13 @@ def rollout(model, tok, new_env, task_ids, group_ids, temperature, max_new_token
         prompts = [encode(tok, render_prompt(tok, envs_[i].messages())) for i in active]
         keys = None if noise_keys is None else [(*noise_keys[i], len(episodes[i].completions))
                                                 for i in active]
-        completions, logprobs = generate(model, tok, prompts, temperature, max_new_tokens,
-                                         greedy=greedy, noise_keys=keys, logprobs=True)
+        completions = generate(model, tok, prompts, temperature, max_new_tokens, greedy=greedy,
+                               noise_keys=keys)
         for k, i in enumerate(active):
             ep = episodes[i]
             step = envs_[i].step(completion_text(tok, completions[k]))
             ep.prompts.append(prompts[k])
             ep.completions.append(completions[k])
-            ep.logprobs.append(logprobs[k])
             ep.actions.append(tok.decode(completions[k], skip_special_tokens=True))
             ep.observations.append(step.observation)
             ep.invalid.append(bool(step.info.get("invalid", False)))
@@ -696,15 +694,15 @@ def token_logprobs(model, tok, samples, adapter, micro_batch_size, temperature=1
 
 
 def old_logprob_turns(model, tok, episodes, args):
-    """One Sample per turn (no advantage yet) with π_θold's token log-probs in `old`: the PRM's
-    reference (Eq. 1) and the policy loss's old policy (Eq. 6). Kept from sampling; recomputed where
-    sampling did not keep them or kept them in less than fp32 (they would differ from these)."""
-    turns = [Sample(ep.prompts[t], ep.completions[t], ep.group_id, ep.traj_id, t,
-                    old=ep.logprobs[t]) for ep in episodes for t in range(ep.length)]
-    fp32 = next(model.parameters()).dtype == torch.float32
-    todo = [x for x in turns if x.old is None or not fp32]
-    for x, o in zip(todo, token_logprobs(model, tok, todo, "default", args.micro_batch_size,
-                                         args.temperature)):
+    """One Sample per turn (no advantage yet) with π_θold's token log-probs in `old`: taken once,
+    they are the PRM's reference (Eq. 1) and the policy loss's old policy (Eq. 6). Recomputed, not
+    kept from sampling: scored by the same pass as the PRM's, log π_φ - log π_θold is exactly 0
+    where the PRM equals the policy (the first iteration); a sampling-time log-prob differs in the
+    last bits, and --step-reward-norm's division by the batch's largest |r| would make that ±1."""
+    turns = [Sample(ep.prompts[t], ep.completions[t], ep.group_id, ep.traj_id, t)
+             for ep in episodes for t in range(ep.length)]
+    old = token_logprobs(model, tok, turns, "default", args.micro_batch_size, args.temperature)
+    for x, o in zip(turns, old):
         x.old = o
     return turns
 

@@ -660,3 +660,35 @@ def test_sokoban_outcome_is_the_papers_shaped_reward():
     assert env.reward_type == "shaped" and abs(total - (11.0 - 0.1 * n)) < 1e-9
     make, _, _, kw = istar.make_env(istar.Args(tiny_preset="micro", sokoban_reward="sparse"))
     assert make().reward_type == "sparse" and kw["reward"] == "sparse"
+
+
+def test_prm_equal_to_the_policy_gives_log_ratios_of_exactly_zero(random_llama_dir):
+    """Where the PRM equals the policy (its first iteration), log π_φ - log π_θold is exactly 0 for
+    every token: π_θold's log-probs are recomputed by the same scoring pass as the PRM's (with the
+    adapter merged in both), not kept from sampling, whose last bits differ (the step rewards are
+    divided by the batch's largest |r|, which would turn 1e-7 into ±1)."""
+    import istar
+    from common.models import add_adapter, load_policy
+
+    model, tok = load_policy(str(random_llama_dir), load_in_4bit=False, lora_r=4, lora_alpha=8, device="cpu")
+    add_adapter(model, "prm", lora_r=4, lora_alpha=8)
+    torch.manual_seed(0)
+    with torch.no_grad():  # a trained-looking policy, and the PRM a copy of it
+        for name, p in model.named_parameters():
+            if ".default." in name and "lora_B" in name:
+                p.add_(0.3 * torch.randn_like(p))
+        params = dict(model.named_parameters())
+        for name, p in params.items():
+            if ".prm." in name:
+                p.copy_(params[name.replace(".prm.", ".default.")])
+    model.set_adapter("default")
+    prompts = [istar.encode(tok, t) for t in ["push the box up", "is it an animal?", "left right"]]
+    completions, kept = istar.generate(model, tok, prompts, 1.0, 6, logprobs=True)
+    episodes = [Episode(traj_id=i, group_id=0, task_id="t", prompts=[p], completions=[c], actions=["a"],
+                        observations=["o"], invalid=[False]) for i, (p, c) in enumerate(zip(prompts, completions))]
+    args = Args(micro_batch_size=2)
+    turns = istar.old_logprob_turns(model, tok, episodes, args)
+    ratios = istar.prm_log_ratios(model, tok, turns, args)
+    assert all(len(r) == len(c) and torch.equal(r, torch.zeros(len(c))) for r, c in zip(ratios, completions))
+    # the sampler's own log-probs are the same numbers to ~1e-6, but not the same bits
+    assert all(torch.allclose(k, x.old, atol=1e-5) for k, x in zip(kept, turns))
