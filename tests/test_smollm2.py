@@ -328,7 +328,11 @@ def test_cut_completion_is_an_invalid_action(smol_tok, script):
     mod = _module(script)
     env_id = {"graphgpo.py": "sokoban", "istar.py": "sokoban", "delta_belief.py": "twenty_questions",
               "aria.py": "twenty_questions", "epo.py": "negotiation"}[script]
-    probe = envs.make(env_id)
+    extra = {"agent": "base"} if script == "epo.py" else {}
+    # single agent: the probe of the script's own env, which takes a shipped adapter's env options
+    # (Twenty Questions: compound secrets), so its task ids are the run's; Negotiation: the plain env
+    probe = (envs.make(env_id) if env_id in envs.TWO_PLAYER
+             else mod.make_env(mod.Args(model_name="smollm2-135m", env_id=env_id, **extra))[1])
     task = probe.task_ids("test")[0]
     if env_id in envs.TWO_PLAYER:
         g = envs.Seated(probe)
@@ -339,7 +343,7 @@ def test_cut_completion_is_an_invalid_action(smol_tok, script):
         action = probe.expert_action()
     replies, budget = _finished_and_cut(smol_tok, f"<think>ok</think><action>{action}</action>")
     policy = ScriptedPolicy(replies, smol_tok.pad_token_id)
-    extra = {"agent": "base", "agent_max_new_tokens": budget} if script == "epo.py" else {}
+    extra = {**extra, "agent_max_new_tokens": budget} if script == "epo.py" else {}
     args = mod.Args(model_name="smollm2-135m", env_id=env_id, max_new_tokens=budget, **extra)
     if script in ("graphgpo.py", "istar.py"):
         new_env, *_ = mod.make_env(args)
