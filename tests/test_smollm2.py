@@ -330,7 +330,8 @@ def test_cut_completion_is_an_invalid_action(smol_tok, script):
               "aria.py": "twenty_questions", "epo.py": "negotiation"}[script]
     extra = {"agent": "base"} if script == "epo.py" else {}
     # single agent: the probe of the script's own env, which takes a shipped adapter's env options
-    # (Twenty Questions: compound secrets), so its task ids are the run's; Negotiation: the plain env
+    # (Twenty Questions: compound secrets), so its task ids are the run's; Negotiation: the plain env,
+    # whose expert action is a move (EPO's probe takes strategies, moves='strategy')
     probe = (envs.make(env_id) if env_id in envs.TWO_PLAYER
              else mod.make_env(mod.Args(model_name="smollm2-135m", env_id=env_id, **extra))[1])
     task = probe.task_ids("test")[0]
