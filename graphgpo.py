@@ -510,7 +510,8 @@ class SampledLogprobs:
     def __call__(self, input_ids, scores):
         scaled = scores / self.temperature
         token = torch.multinomial(torch.softmax(scaled, dim=-1), num_samples=1)
-        self.steps.append(torch.log_softmax(scaled, dim=-1).gather(-1, token)[:, 0].float().cpu())
+        # log p = z[token] - logsumexp(z), as `completion_logprobs` scores; kept on the device
+        self.steps.append(scaled.gather(-1, token)[:, 0] - torch.logsumexp(scaled, dim=-1))
         return torch.full_like(scores, -math.inf).scatter_(-1, token, 0.0)  # argmax picks `token`
 
 
@@ -568,7 +569,7 @@ def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False, 
         return rows
     if recorder is None or not recorder.steps:  # not drawn by the recorder: `update` recomputes
         return rows, [None] * len(rows)
-    steps = torch.stack(recorder.steps, dim=1)
+    steps = torch.stack(recorder.steps, dim=1).float().cpu()  # one copy, not one per token
     return rows, [steps[b, :len(r)] for b, r in enumerate(rows)]
 
 
