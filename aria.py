@@ -33,6 +33,7 @@ and LLM opponents (docs/aria.md, "Deviations"). Read in order: section 2 (the cr
 Example
     python aria.py                                         # tiny Bargaining in self-play, CPU
     python aria.py --env-id twenty_questions --no-aggregate  # Twenty Questions, REINFORCE ablation
+    python aria.py --model-name smollm2-135m               # SmolLM2 + its Bargaining adapter
     python aria.py --model-name meta-llama/Meta-Llama-3-8B-Instruct --env-id negotiation \\
         --embedder sentence-transformers/all-MiniLM-L6-v2 --games-per-iteration 1000
 """
@@ -66,63 +67,52 @@ from tqdm.auto import tqdm
 @dataclass
 class Args:
     # experiment
-    exp_name: str = Path(__file__).stem
-    """name of the run (the run directory is {env}__{exp_name}__{seed}__{time})"""
+    exp_name: str = Path(__file__).stem  # run name (run dir: {env}__{exp_name}__{seed}__{time})
     seed: int = 1  # random seed (python, numpy, torch, task sampling)
     output_dir: str = "runs"  # directory under which the run directory is created
     track: bool = False  # also log to TensorBoard (only if tensorboard is installed)
     save_model: bool = True  # save the LoRA adapter to <run>/adapter at checkpoints and at the end
-    checkpoint_every: int = 1
-    """save the adapter and checkpoint.pt every this many iterations (0: only at the end)"""
-    resume: Optional[str] = None
-    """a run directory: continue that run from its checkpoint.pt, with its config.json arguments"""
+    checkpoint_every: Optional[int] = None
+    """save the adapter and checkpoint.pt every N iterations (0: at the end; None: RUN_SIZES)"""
+    resume: Optional[str] = None  # a run dir to continue from its checkpoint.pt and config.json
     torch_threads: int = 0  # CPU threads for torch (0: leave torch's default)
 
     # model
-    model_name: str = "tiny"
-    """'tiny' (the env's tiny policy), 'smollm2-135m', a hub id or a local directory"""
+    model_name: str = "tiny"  # 'tiny' (the env's tiny policy), 'smollm2-135m', a hub id or a dir
     tiny_preset: str = "default"  # tiny policy size: 'default' or 'micro' (for tests)
-    load_in_4bit: Optional[bool] = None
-    """None: nf4 on CUDA, plain weights on CPU; True forces 4-bit; False never"""
+    load_in_4bit: Optional[bool] = None  # None: nf4 on CUDA only; True: always; False: never
     lora_r: int = 8  # LoRA rank (paper: 8)
     lora_alpha: int = 16  # LoRA alpha (paper: 16)
     lora_dropout: float = 0.0  # LoRA dropout
     activation_checkpointing: bool = False  # in the training forward (saves GPU memory)
     max_new_tokens: Optional[int] = None  # most tokens generated per turn; None: by model (PRESETS)
     temperature: float = 1.0  # sampling temperature of the rollouts
-    eval_temperature: float = 1.0
-    """sampling temperature of the sampled evaluation (greedy is evaluated as well)"""
+    eval_temperature: float = 1.0  # temperature of the sampled evaluation (greedy is evaluated too)
 
     # environment
-    env_id: str = "bargaining"
-    """bargaining, negotiation (self-play); twenty_questions, guess_my_city (vs the env's oracle)"""
-    history: Optional[int] = None
-    """past turns shown in the prompt; None: the env's default (or the tiny recipe's)"""
+    env_id: Optional[str] = None  # bargaining, negotiation, twenty_questions, ...; None: RUN_SIZES
+    history: Optional[int] = None  # past turns in the prompt; None: the env's or tiny recipe's
     max_turns: int = 0  # steps per episode (0: the env's; paper: 15 on Sokoban, 10 on WebShop)
     game_reward: Literal["win", "payoff"] = "payoff"
     """two-player R: 'payoff' (normalised, as the main metric) or 'win' (the paper's)"""
-    eval_num_tasks: int = 0
-    """test tasks per evaluation (0: all; Bargaining: 49 tasks x 2 roles x 4 styles)"""
-    eval_k: int = 2  # sampled games per test task (and per role and opponent in two-player games)
-    eval_opponents: tuple[str, ...] = ()
-    """scripted opponent styles of the two-player evaluation (empty: all styles of the game)"""
-    eval_every: int = 2  # evaluate every this many iterations (and before training and at the end)
+    eval_num_tasks: Optional[int] = None
+    """test tasks per evaluation (0: all; Bargaining: 49 x 2 roles x 4 styles); None: RUN_SIZES"""
+    eval_k: Optional[int] = None  # sampled games per test task, role and style; None: RUN_SIZES
+    eval_opponents: tuple[str, ...] = ()  # scripted styles of the evaluation (empty: all)
+    eval_every: Optional[int] = None  # evaluate every N iterations, first and last; None: RUN_SIZES
     num_logged_episodes: int = 4  # decoded episodes per evaluation written to samples.jsonl
 
     # algorithm
     aggregate: bool = True
     """aggregate rewards in the intention space (ARIA); --no-aggregate: REINFORCE on raw returns"""
     num_iterations: Optional[int] = None
-    """collect-then-train iterations; None: by game (GAME_PRESETS; paper: 3)"""
+    """collect-then-train iterations (paper: 3); None: RUN_SIZES, else by game (GAME_PRESETS)"""
     games_per_iteration: Optional[int] = None
-    """games per iteration, played by the current policy; None: by game (GAME_PRESETS)"""
+    """games per iteration, by the current policy; None: RUN_SIZES, else by game (GAME_PRESETS)"""
     num_epochs: int = 3  # epochs of offline REINFORCE over each iteration's steps (paper: 3)
-    batch_size: Optional[int] = None
-    """steps per optimizer step; None: by game (GAME_PRESETS, the paper's)"""
-    micro_batch_size: Optional[int] = None
-    """steps per forward pass (gradient accumulation inside a batch); None: by model (PRESETS)"""
-    learning_rate: Optional[float] = None
-    """Adam learning rate; None: by model (PRESETS; paper: 2e-5)"""
+    batch_size: Optional[int] = None  # steps per optimizer step; None: GAME_PRESETS (the paper's)
+    micro_batch_size: Optional[int] = None  # turns (and LLM PRM prompts) per forward; None: PRESETS
+    learning_rate: Optional[float] = None  # Adam lr; None: by model (PRESETS; paper: 2e-5)
     max_grad_norm: float = 1.0  # gradient clipping norm (official: 1.0)
     gamma: float = 0.95  # discount of the outcome over a player's turns (official: 0.95)
     embedder: str = "hash"
@@ -130,8 +120,7 @@ class Args:
     embed_dim: int = 256  # dimension of the hash embedding
     linkage: Literal["average", "ward", "complete", "single"] = "average"
     """HAC linkage (paper App. D: average; official code: ward)"""
-    max_k: int = 100
-    """K: largest number of clusters tried (paper: 100; capped by the distinct utterances)"""
+    max_k: int = 100  # K: most clusters tried (paper: 100; capped by the distinct utterances)
     split_eps: float = 0.01  # ε of the stopping rule (paper: 0.01)
     split_tau: int = 10  # τ, window of the stopping rule (paper: 10)
     fixed_k: int = 0  # use this k instead of the SplitScore choice (0: automatic)
@@ -150,6 +139,13 @@ PRESETS = {"real": dict(learning_rate=2e-5, max_new_tokens=128, micro_batch_size
 # (docs/aria.md, "Defaults"); single agent: the paper's 3 iterations, 32 games sized for the CPU.
 GAME_PRESETS = {"two_player": dict(num_iterations=8, games_per_iteration=64, batch_size=32),
                 "single_agent": dict(num_iterations=3, games_per_iteration=32, batch_size=16)}
+# The run's size (options left at None; GAME_PRESETS fill the rest): the tiny CPU run and SmolLM2
+# with its Bargaining adapter, under an hour on 2 CPU cores (docs/smollm2.md).
+RUN_SIZES = {"default": dict(env_id="bargaining", eval_num_tasks=0, eval_k=2, eval_every=2,
+                             checkpoint_every=1),
+             "smollm2-135m": dict(env_id="bargaining", num_iterations=4, games_per_iteration=8,
+                                  batch_size=8, learning_rate=1e-4, eval_num_tasks=6, eval_k=2,
+                                  eval_every=2, checkpoint_every=1)}
 OBSERVATION_LABELS = {"twenty_questions": "exact"}  # closed-set answers; other envs: "cluster"
 
 
@@ -873,6 +869,7 @@ def make_env(args):
     import envs
     from common.models import UserError, policy_defaults
 
+    args = run_size(args)  # main has filled it; a caller outside main may leave env_id at None
     if args.env_id not in envs.available():
         raise UserError(f"env {args.env_id!r} is not available in this checkout; available env "
                         f"ids: {', '.join(envs.available()) or 'none'}")
@@ -969,6 +966,14 @@ def episode_record(ep, tag, weights=None):
         turns.append(turn)
     return {"tag": tag, "task": ep.task_id, "outcome": ep.outcome, "success": ep.success,
             "turns": turns}
+
+
+def run_size(args):
+    """`args` with the run-size options left at None from RUN_SIZES (no entry: "default")."""
+    if args.model_name in RUN_SIZES:
+        tqdm.write(f"{args.model_name}: " + ", ".join(
+            f"{k}={v}" for k, v in RUN_SIZES[args.model_name].items() if getattr(args, k) is None))
+    return fill_defaults(args, RUN_SIZES.get(args.model_name, RUN_SIZES["default"]))
 
 
 def fill_defaults(args, values):
@@ -1096,6 +1101,7 @@ def main(args: Args):
     if args.torch_threads > 0:
         torch.set_num_threads(args.torch_threads)
     rng = seed_everything(args.seed)
+    args = run_size(args)
     new_env, probe, defaults, env_kwargs = make_env(args)
     args = resolve_args(args, defaults)
     check_args(args)

@@ -31,6 +31,7 @@ and `main`.
 
 Example
     python delta_belief.py --env-id twenty_questions --reward-mode delta --lam 0.1 --seed 1
+    python delta_belief.py --model-name smollm2-135m   # SmolLM2 + its adapter, 9 questions
     python delta_belief.py --model-name Qwen/Qwen3-1.7B --learning-rate 3e-5 \\
         --tasks-per-iteration 15
 """
@@ -64,24 +65,20 @@ from tqdm.auto import tqdm
 @dataclass
 class Args:
     # experiment
-    exp_name: str = Path(__file__).stem
-    """name of the run (the run directory is {env}__{exp_name}__{seed}__{time})"""
+    exp_name: str = Path(__file__).stem  # run name (run dir: {env}__{exp_name}__{seed}__{time})
     seed: int = 1  # random seed (python, numpy, torch, task sampling)
     output_dir: str = "runs"  # directory under which the run directory is created
     track: bool = False  # also log to TensorBoard (only if tensorboard is installed)
     save_model: bool = True  # save the LoRA adapter to <run>/adapter at checkpoints and at the end
-    checkpoint_every: int = 50
-    """save the adapter and checkpoint.pt every this many iterations (0: only at the end)"""
-    resume: Optional[str] = None
-    """a run directory: continue that run from its checkpoint.pt, with its config.json arguments"""
+    checkpoint_every: Optional[int] = None
+    """save the adapter and checkpoint.pt every N iterations (0: at the end; None: RUN_SIZES)"""
+    resume: Optional[str] = None  # a run dir to continue from its checkpoint.pt and config.json
     torch_threads: int = 0  # CPU threads for torch (0: leave torch's default)
 
     # model
-    model_name: str = "tiny"
-    """'tiny' (the env's tiny policy), 'smollm2-135m', a hub id or a local directory"""
+    model_name: str = "tiny"  # 'tiny' (the env's tiny policy), 'smollm2-135m', a hub id or a dir
     tiny_preset: str = "default"  # tiny policy size: 'default' or 'micro' (for tests)
-    load_in_4bit: Optional[bool] = None
-    """None: nf4 on CUDA, plain weights on CPU; True forces 4-bit; False never"""
+    load_in_4bit: Optional[bool] = None  # None: nf4 on CUDA only; True: always; False: never
     lora_r: int = 64  # LoRA rank (paper: 64)
     lora_alpha: int = 64  # LoRA alpha (paper: 64)
     lora_dropout: float = 0.0  # LoRA dropout
@@ -93,18 +90,16 @@ class Args:
     """temperature of the sampled evaluation (greedy is evaluated too); None: --temperature's"""
 
     # environment
-    env_id: str = "twenty_questions"  # training env (needs `env.target`, the hidden answer)
-    history: Optional[int] = None
-    """past (question, answer) pairs shown in the prompt; None: the env's default"""
-    max_turns: int = 20  # most questions per game in training (paper: 20)
+    env_id: Optional[str] = None  # needs env.target, the hidden answer; None: RUN_SIZES
+    history: Optional[int] = None  # past (question, answer) pairs shown; None: the env's
+    max_turns: Optional[int] = None  # most questions per game (paper: 20); None: RUN_SIZES
     eval_env_id: str = ""
     """extra out-of-distribution evaluation env, e.g. guess_my_city ('' : none)"""
     eval_max_turns: int = 0
     """question budget at evaluation (0: max_turns; the paper's interaction scaling uses 50)"""
-    eval_num_tasks: int = 0  # test targets per evaluation (0: all test targets of the env)
-    eval_k: int = 5
-    """sampled games per test target (the sampled success is the mean over all of them)"""
-    eval_every: int = 32  # evaluate every this many iterations (and before training and at the end)
+    eval_num_tasks: Optional[int] = None  # test targets per evaluation (0: all); None: RUN_SIZES
+    eval_k: Optional[int] = None  # sampled games per test target; None: RUN_SIZES
+    eval_every: Optional[int] = None  # evaluate every N iterations, first and last; None: RUN_SIZES
     eval_best_of_n: int = 0
     """if > 0: also evaluate ΔBelief best-of-n sampling (Fig. 3) before and after training"""
     num_logged_episodes: int = 4  # decoded episodes per evaluation written to samples.jsonl
@@ -112,20 +107,16 @@ class Args:
     # algorithm
     reward_mode: Literal["delta", "starpo"] = "delta"
     """'delta': ΔBelief turn rewards + turn-wise GRPO; 'starpo': trajectory-level GRPO (baseline)"""
-    num_iterations: int = 64
-    """training iterations (rollout + update; 64 chosen over 32, docs/delta_belief.md)"""
-    tasks_per_iteration: int = 8  # distinct secrets per iteration (official: 240 on GPUs)
-    group_size: int = 4
-    """G: games per secret, the GRPO group (paper: 16; 4 covers 8 secrets, docs/delta_belief.md)"""
-    learning_rate: Optional[float] = None
-    """AdamW learning rate; None: by model (PRESETS; docs/delta_belief.md)"""
+    num_iterations: Optional[int] = None  # training iterations; None: by model (RUN_SIZES)
+    tasks_per_iteration: Optional[int] = None  # secrets (official: 240); None: RUN_SIZES
+    group_size: Optional[int] = None  # G: games per secret (paper: 16); None: RUN_SIZES
+    learning_rate: Optional[float] = None  # AdamW lr; None: PRESETS (docs/delta_belief.md)
     adam_betas: tuple[float, float] = (0.9, 0.95)  # AdamW betas (official)
     weight_decay: float = 0.01  # AdamW weight decay (official)
     max_grad_norm: float = 1.0  # gradient clipping norm
     num_minibatches: int = 2
     """optimizer steps per iteration (the turns split into this many minibatches; official: 3)"""
-    micro_batch_size: Optional[int] = None
-    """turns per forward pass (also the belief batches); None: by model (PRESETS)"""
+    micro_batch_size: Optional[int] = None  # turns (and LLM PRM prompts) per forward; None: PRESETS
     lam: float = 0.1
     """λ, weight of the clipped belief gain (paper: 0.1; 0 removes the belief term only)"""
     win_reward: float = 2.0  # end-of-game reward for naming the secret
@@ -147,6 +138,15 @@ class Args:
 # options, token budget and RL temperature (common.models.policy_defaults); lr as measured.
 PRESETS = {"real": dict(learning_rate=3e-5, max_new_tokens=50, micro_batch_size=8),
            "tiny": dict(learning_rate=5e-4, micro_batch_size=64)}
+# The run's size (options left at None): the tiny CPU run (64 iterations chosen over 32; 4 games
+# cover 8 secrets: docs/delta_belief.md) and SmolLM2 with its adapter, under an hour on 2 CPU cores,
+# 9 questions (its halving strategy needs about 9: room to learn; docs/smollm2.md).
+RUN_SIZES = {"default": dict(env_id="twenty_questions", max_turns=20, num_iterations=64,
+                             tasks_per_iteration=8, group_size=4, eval_num_tasks=0, eval_k=5,
+                             eval_every=32, checkpoint_every=50),
+             "smollm2-135m": dict(env_id="twenty_questions", max_turns=9, num_iterations=10,
+                                  tasks_per_iteration=4, group_size=4, learning_rate=1e-4,
+                                  eval_num_tasks=20, eval_k=2, eval_every=5, checkpoint_every=2)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -887,6 +887,7 @@ def make_env(args):
     policy's recipe's (the prompts it was trained on), --history over them."""
     from common.models import policy_defaults
 
+    args = run_size(args)  # main has filled it; a caller outside main may leave env_id at None
     real, tiny = PRESETS["real"], PRESETS["tiny"]
     defaults = policy_defaults(args.model_name, args.env_id, args.tiny_preset,
                                learning_rate=real["learning_rate"],
@@ -934,6 +935,14 @@ def check_args(args):
         raise UserError(f"--history must be >= 0 (or None), got {args.history}")
     if args.belief_template != "auto" and "{target}" not in args.belief_template:
         raise UserError("--belief-template must contain '{target}', e.g. \"Is it '{target}'?\"")
+
+
+def run_size(args):
+    """`args` with the run-size options left at None from RUN_SIZES (no entry: "default")."""
+    if args.model_name in RUN_SIZES:
+        tqdm.write(f"{args.model_name}: " + ", ".join(
+            f"{k}={v}" for k, v in RUN_SIZES[args.model_name].items() if getattr(args, k) is None))
+    return fill_defaults(args, RUN_SIZES.get(args.model_name, RUN_SIZES["default"]))
 
 
 def fill_defaults(args, values):
@@ -1060,6 +1069,7 @@ def main(args: Args):
     if args.torch_threads > 0:
         torch.set_num_threads(args.torch_threads)
     rng = seed_everything(args.seed)
+    args = run_size(args)
     new_env, probe, defaults, env_kwargs = make_env(args)
     args = resolve_args(args, defaults)
     check_args(args)

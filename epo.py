@@ -36,6 +36,7 @@ Example
     python epo.py                       # tiny Negotiation, rule agent, rule PRM, CPU
     python epo.py --prm none            # outcome only
     python epo.py --weights ones        # EPO-SFT ablation
+    python epo.py --model-name smollm2-135m   # SmolLM2 + its strategist adapter (RUN_SIZES)
     python epo.py --model-name Qwen/Qwen2.5-1.5B-Instruct --agent base --prm llm \\
         --learning-rate 2e-5
 """
@@ -67,24 +68,20 @@ from tqdm.auto import tqdm
 @dataclass
 class Args:
     # experiment
-    exp_name: str = Path(__file__).stem
-    """name of the run (the run directory is {env}__{exp_name}__{seed}__{time})"""
+    exp_name: str = Path(__file__).stem  # run name (run dir: {env}__{exp_name}__{seed}__{time})
     seed: int = 1  # random seed (python, numpy, torch, task sampling)
     output_dir: str = "runs"  # directory under which the run directory is created
     track: bool = False  # also log to TensorBoard (only if tensorboard is installed)
     save_model: bool = True  # save the LoRA adapter to <run>/adapter at checkpoints and at the end
-    checkpoint_every: int = 5
-    """save the adapter and checkpoint.pt every this many iterations (0: only at the end)"""
-    resume: Optional[str] = None
-    """a run directory: continue that run from its checkpoint.pt, with its config.json arguments"""
+    checkpoint_every: Optional[int] = None
+    """save the adapter and checkpoint.pt every N iterations (0: at the end; None: RUN_SIZES)"""
+    resume: Optional[str] = None  # a run dir to continue from its checkpoint.pt and config.json
     torch_threads: int = 0  # CPU threads for torch (0: leave torch's default)
 
     # model
-    model_name: str = "tiny"
-    """'tiny' (the env's tiny strategist), 'smollm2-135m', a hub id or a local directory"""
+    model_name: str = "tiny"  # 'tiny' (tiny strategist), 'smollm2-135m', a hub id or a dir
     tiny_preset: str = "default"  # tiny policy size: 'default' or 'micro' (for tests)
-    load_in_4bit: Optional[bool] = None
-    """None: nf4 on CUDA, plain weights on CPU; True forces 4-bit; False never"""
+    load_in_4bit: Optional[bool] = None  # None: nf4 on CUDA only; True: always; False: never
     lora_r: int = 16  # LoRA rank
     lora_alpha: int = 32  # LoRA alpha
     lora_dropout: float = 0.0  # LoRA dropout
@@ -95,45 +92,35 @@ class Args:
     eval_temperature: float = 0.7  # sampled evaluation's temperature (greedy is evaluated too)
 
     # environment
-    env_id: str = "negotiation"
-    """negotiation (two parties, each with a strategist), or a single-agent env with --agent base"""
-    history: Optional[int] = None
-    """past moves shown in the prompt; None: the env's (or the tiny recipe's) default"""
+    env_id: Optional[str] = None  # negotiation, or single-agent with --agent base; None: RUN_SIZES
+    history: Optional[int] = None  # past moves in the prompt; None: the env's or tiny recipe's
     agent: Literal["rule", "base"] = "rule"
     """frozen agent: 'rule' (the env's strategy-following rules) or 'base' (the base model)"""
     agent_temperature: float = 0.0  # base agent's temperature (0: greedy; official action agent: 0)
     agent_max_new_tokens: Optional[int] = None  # most tokens per agent message; None: PRESETS
-    train_opponent: Optional[str] = None
-    """'self' (self-chat, the paper's), 'rule:<style>' or 'rule:any'; None: by model (PRESETS)"""
-    eval_num_tasks: int = 0
-    """test tasks per evaluation (each played in both roles against every scripted style; 0: all)"""
-    eval_opponents: tuple[str, ...] = ()
-    """scripted opponent styles of the two-player evaluation (empty: all styles of the game)"""
-    eval_every: int = 10  # evaluate every N iterations (and first and last; 0: only those)
+    train_opponent: Optional[str] = None  # 'self' (paper), 'rule:STYLE', 'rule:any'; None: PRESETS
+    eval_num_tasks: Optional[int] = None  # both roles x every style (0: all); None: RUN_SIZES
+    eval_opponents: tuple[str, ...] = ()  # scripted styles of the evaluation (empty: all)
+    eval_every: Optional[int] = None  # evaluate every N iterations, first and last; None: RUN_SIZES
     eval_selfplay: bool = True  # also evaluate self-chat (both roles the strategist)
     num_logged_episodes: int = 4  # decoded episodes per evaluation written to samples.jsonl
 
     # algorithm
-    num_iterations: int = 40
-    """self-play iterations (collect, PRM, weights, train); the paper plateaus after about 5"""
-    episodes_per_iteration: int = 64
-    """games collected per iteration (self-chat: 2 strategist trajectories per game)"""
+    num_iterations: Optional[int] = None  # (the paper plateaus after about 5); None: RUN_SIZES
+    episodes_per_iteration: Optional[int] = None
+    """games per iteration (self-chat: 2 strategist trajectories per game); None: RUN_SIZES"""
     num_epochs: int = 3  # training epochs over each iteration's trajectories (official: 3)
     trajectories_per_step: int = 8  # trajectories per optimizer step (official: 1 x accumulation 8)
-    micro_batch_size: Optional[int] = None
-    """strategy turns (and LLM PRM prompts) per forward pass; None: by model (PRESETS)"""
-    learning_rate: Optional[float] = None
-    """AdamW learning rate; None: by model (PRESETS; official, full fine-tuning: 1e-6)"""
-    warmup_ratio: float = 0.03
-    """linear warm-up share of each iteration's steps, then cosine decay to 0 (official)"""
+    micro_batch_size: Optional[int] = None  # turns (and LLM PRM prompts) per forward; None: PRESETS
+    learning_rate: Optional[float] = None  # AdamW lr; None: PRESETS (official, full FT: 1e-6)
+    warmup_ratio: float = 0.03  # warm-up share of an iteration's steps, then cosine to 0 (official)
     weight_decay: float = 0.0  # AdamW weight decay (official: 0)
     max_grad_norm: float = 1.0  # gradient clipping norm (official: 1.0)
     gamma: float = 0.99  # γ of the turn returns (official: 0.99)
     prm: Literal["rule", "llm", "none"] = "rule"
     """process reward: 'rule' (top-k progress gains), 'llm' (the paper's prompt), 'none'"""
     prm_top_k: int = 2  # rule PRM: at most this many critical turns per trajectory
-    prm_min_gain: float = 1e-6
-    """rule PRM: a turn is critical only if its progress gain exceeds this"""
+    prm_min_gain: float = 1e-6  # rule PRM: a turn is critical only if its progress gain > this
     prm_min_final: Optional[float] = None
     """rule PRM: no critical turn in a game ending below this progress; None: by model (PRESETS)"""
     prm_temperature: float = 0.7  # LLM PRM sampling temperature (official: 0.7)
@@ -147,15 +134,20 @@ class Args:
 # The options left at None depend on the model; `resolve_args` fills them from here. "real": any
 # pretrained model (the paper's setting; lr for LoRA); "tiny": the tiny strategist as measured
 # (docs/epo.md), its GAME_OPTIONS only in a two-player game (no scripted styles elsewhere).
-PRESETS = {
-    "real": dict(learning_rate=2e-5, max_new_tokens=48, agent_max_new_tokens=128,
-                 prm_max_new_tokens=256, micro_batch_size=8, train_opponent="self",
-                 return_norm="trajectory", prm_min_final=0.0),
-    "tiny": dict(learning_rate=5e-4, agent_max_new_tokens=16, prm_max_new_tokens=32,
-                 micro_batch_size=32, train_opponent="rule:any", return_norm="batch",
-                 prm_min_final=0.5),
-}
+PRESETS = {"real": dict(learning_rate=2e-5, max_new_tokens=48, agent_max_new_tokens=128,
+                        prm_max_new_tokens=256, micro_batch_size=8, train_opponent="self",
+                        return_norm="trajectory", prm_min_final=0.0),
+           "tiny": dict(learning_rate=5e-4, agent_max_new_tokens=16, prm_max_new_tokens=32,
+                        micro_batch_size=32, train_opponent="rule:any", return_norm="batch",
+                        prm_min_final=0.5)}
 GAME_OPTIONS = ("train_opponent", "return_norm", "prm_min_final")
+# The run's size (options left at None): the tiny CPU run and SmolLM2 with its Negotiation
+# strategist adapter, about an hour on 2 CPU cores (docs/smollm2.md).
+RUN_SIZES = {"default": dict(env_id="negotiation", num_iterations=40, episodes_per_iteration=64,
+                             eval_num_tasks=0, eval_every=10, checkpoint_every=5),
+             "smollm2-135m": dict(env_id="negotiation", num_iterations=6, episodes_per_iteration=8,
+                                  learning_rate=1e-4, eval_num_tasks=4, eval_every=3,
+                                  checkpoint_every=1)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -903,6 +895,7 @@ def make_env(args):
     from common.models import UserError, policy_defaults
     from common.tiny import strategist_overrides
 
+    args = run_size(args)  # main has filled it; a caller outside main may leave env_id at None
     if args.env_id not in envs.available():
         raise UserError(f"env {args.env_id!r} is not available in this checkout; available env "
                         f"ids: {', '.join(envs.available()) or 'none'}")
@@ -973,6 +966,14 @@ def check_args(args):
                         "--eval-num-tasks >= 0")
     if not 0.0 <= args.prm_min_final <= 1.0:
         raise UserError("--prm-min-final must be in [0, 1] (the env's progress scale)")
+
+
+def run_size(args):
+    """`args` with the run-size options left at None from RUN_SIZES (no entry: "default")."""
+    if args.model_name in RUN_SIZES:
+        tqdm.write(f"{args.model_name}: " + ", ".join(
+            f"{k}={v}" for k, v in RUN_SIZES[args.model_name].items() if getattr(args, k) is None))
+    return fill_defaults(args, RUN_SIZES.get(args.model_name, RUN_SIZES["default"]))
 
 
 def fill_defaults(args, values):
@@ -1101,6 +1102,7 @@ def main(args: Args):
     if args.torch_threads > 0:
         torch.set_num_threads(args.torch_threads)
     rng = seed_everything(args.seed)
+    args = run_size(args)
     new_env, probe, defaults, env_kwargs = make_env(args)
     args = resolve_args(args, defaults)
     check_args(args)

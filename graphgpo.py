@@ -34,6 +34,7 @@ Reading order: section 2, then `main` (section 6), then `rollout`, `compute_adva
 Example
     python graphgpo.py                                   # tiny Sokoban policy, CPU, GraphGPO
     python graphgpo.py --step-advantage gigpo --seed 2   # GiGPO baseline, same budget
+    python graphgpo.py --model-name smollm2-135m         # SmolLM2 + its WebShop adapter (RUN_SIZES)
     python graphgpo.py --model-name Qwen/Qwen2.5-1.5B-Instruct --max-new-tokens 512 \\
         --tasks-per-iteration 16
 """
@@ -67,24 +68,20 @@ from tqdm.auto import tqdm
 @dataclass
 class Args:
     # experiment
-    exp_name: str = Path(__file__).stem
-    """name of the run (the run directory is {env}__{exp_name}__{seed}__{time})"""
+    exp_name: str = Path(__file__).stem  # run name (run dir: {env}__{exp_name}__{seed}__{time})
     seed: int = 1  # random seed (python, numpy, torch, task sampling)
     output_dir: str = "runs"  # directory under which the run directory is created
     track: bool = False  # also log to TensorBoard (only if tensorboard is installed)
     save_model: bool = True  # save the LoRA adapter to <run>/adapter at checkpoints and at the end
-    checkpoint_every: int = 10
-    """save the adapter and checkpoint.pt every this many iterations (0: only at the end)"""
-    resume: Optional[str] = None
-    """a run directory: continue that run from its checkpoint.pt, with its config.json arguments"""
+    checkpoint_every: Optional[int] = None
+    """save the adapter and checkpoint.pt every N iterations (0: at the end; None: RUN_SIZES)"""
+    resume: Optional[str] = None  # a run dir to continue from its checkpoint.pt and config.json
     torch_threads: int = 0  # CPU threads for torch (0: leave torch's default)
 
     # model
-    model_name: str = "tiny"
-    """'tiny' (the env's tiny policy), 'smollm2-135m' (SmolLM2-135M-Instruct), a hub id or a dir"""
+    model_name: str = "tiny"  # 'tiny' (the env's tiny policy), 'smollm2-135m', a hub id or a dir
     tiny_preset: str = "default"  # tiny policy size: 'default' or 'micro' (for tests)
-    load_in_4bit: Optional[bool] = None
-    """None: nf4 on CUDA, plain weights on CPU; True forces 4-bit; False never"""
+    load_in_4bit: Optional[bool] = None  # None: nf4 on CUDA only; True: always; False: never
     lora_r: int = 16  # LoRA rank
     lora_alpha: int = 32  # LoRA alpha
     lora_dropout: float = 0.0  # LoRA dropout
@@ -95,29 +92,24 @@ class Args:
     """temperature of the paper's validation runs (0.4), logged as eval/success_val_temp"""
 
     # environment
-    env_id: str = "sokoban"  # training env (needs env.state_key(): sokoban, alfworld, webshop, ...)
-    history: Optional[int] = None
-    """past (action, observation) pairs in the prompt; None: the tiny recipe's or the env's (2)"""
+    env_id: Optional[str] = None  # needs env.state_key(): sokoban, webshop, ...; None: RUN_SIZES
+    history: Optional[int] = None  # past (action, obs) pairs; None: the tiny recipe's or env's (2)
     max_turns: int = 0  # steps per episode (0: the env's; paper: 15 on Sokoban, 10 on WebShop)
-    eval_num_tasks: int = 200  # test tasks per evaluation (0: all; Sokoban's 200: SE <= 0.035)
+    eval_num_tasks: Optional[int] = None  # test tasks per evaluation (0: all); None: RUN_SIZES
     eval_k: int = 1  # sampled episodes per test task at each temperature
-    eval_every: int = 10  # evaluate every this many iterations (and before training and at the end)
+    eval_every: Optional[int] = None  # evaluate every N iterations, first and last; None: RUN_SIZES
     num_logged_episodes: int = 4  # decoded episodes per evaluation written to samples.jsonl
 
     # algorithm
-    num_iterations: int = 40
-    """training iterations (rollout + update; paper: 150 epochs; sized for the CPU default run)"""
-    tasks_per_iteration: int = 4
-    """B: distinct tasks per iteration (paper: 16, Sokoban 32; sized for the CPU default run)"""
-    group_size: int = 8  # M: trajectories per task, the group (paper: 8)
-    learning_rate: Optional[float] = None
-    """AdamW learning rate; None: by model (PRESETS; paper, full fine-tuning: 1e-6)"""
+    num_iterations: Optional[int] = None  # (paper: 150 epochs); None: by model (RUN_SIZES)
+    tasks_per_iteration: Optional[int] = None  # B (paper: 16, Sokoban 32); None: RUN_SIZES
+    group_size: Optional[int] = None  # M: trajectories per task (paper: 8); None: RUN_SIZES
+    learning_rate: Optional[float] = None  # AdamW lr; None: PRESETS (paper, full FT: 1e-6)
     weight_decay: float = 0.0  # AdamW weight decay
     max_grad_norm: float = 1.0  # gradient clipping norm
     num_minibatches: int = 2
     """optimizer steps per iteration (the turns are split into this many minibatches)"""
-    micro_batch_size: Optional[int] = None
-    """turns per forward pass (gradient accumulation in a minibatch); None: by model (PRESETS)"""
+    micro_batch_size: Optional[int] = None  # turns (and LLM PRM prompts) per forward; None: PRESETS
     step_advantage: Literal["graph", "gigpo", "none"] = "graph"
     """step-level term: 'graph' (GraphGPO), 'gigpo' (GiGPO discounted return), 'none' (GRPO)"""
     state_match: Literal["exact", "fuzzy"] = "exact"
@@ -146,6 +138,13 @@ class Args:
 # token budget (common.models.policy_defaults), lr as measured.
 PRESETS = {"real": dict(learning_rate=1e-5, max_new_tokens=512, micro_batch_size=8),
            "tiny": dict(learning_rate=5e-4, micro_batch_size=64)}
+# The run's size (options left at None): the tiny CPU run (Sokoban's 200 test tasks: SE <= 0.035)
+# and SmolLM2 with its WebShop adapter, under an hour on 2 CPU cores (docs/smollm2.md).
+RUN_SIZES = {"default": dict(env_id="sokoban", num_iterations=40, tasks_per_iteration=4,
+                             group_size=8, eval_num_tasks=200, eval_every=10, checkpoint_every=10),
+             "smollm2-135m": dict(env_id="webshop", num_iterations=16, tasks_per_iteration=2,
+                                  group_size=4, learning_rate=1e-4, eval_num_tasks=30, eval_every=0,
+                                  checkpoint_every=2)}
 OMEGA_BY_ENV = {"sokoban": 0.8, "alfworld": 0.1, "webshop": 0.2}  # paper, App. C; other envs 0.5
 
 
@@ -846,6 +845,7 @@ def make_env(args):
     import envs
     from common.models import UserError, policy_defaults
 
+    args = run_size(args)  # main has filled it; a caller outside main may leave env_id at None
     if args.env_id not in envs.available():
         raise UserError(f"env {args.env_id!r} is not available in this checkout; available env "
                         f"ids: {', '.join(envs.available()) or 'none'}")
@@ -906,6 +906,14 @@ def check_args(args):
     if not 0.0 < args.similarity_threshold <= 1.0:
         raise UserError("--similarity-threshold must lie in (0, 1], got "
                         f"{args.similarity_threshold}")
+
+
+def run_size(args):
+    """`args` with the run-size options left at None from RUN_SIZES (no entry: "default")."""
+    if args.model_name in RUN_SIZES:
+        tqdm.write(f"{args.model_name}: " + ", ".join(
+            f"{k}={v}" for k, v in RUN_SIZES[args.model_name].items() if getattr(args, k) is None))
+    return fill_defaults(args, RUN_SIZES.get(args.model_name, RUN_SIZES["default"]))
 
 
 def fill_defaults(args, values):
@@ -1032,6 +1040,7 @@ def main(args: Args):
     if args.torch_threads > 0:
         torch.set_num_threads(args.torch_threads)
     rng = seed_everything(args.seed)
+    args = run_size(args)
     new_env, probe, defaults, env_kwargs = make_env(args)
     args = resolve_args(args, defaults)
     check_args(args)

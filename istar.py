@@ -34,6 +34,7 @@ Reading order: Args, section 2 (the method), `rollout`, `compute_advantages`, `p
 Example
     python istar.py --env-id sokoban --seed 1                 # iStar on RLOO, tiny policy, CPU
     python istar.py --alpha 0                                 # vanilla RLOO baseline
+    python istar.py --model-name smollm2-135m                 # SmolLM2 + its WebShop adapter
     python istar.py --estimator grpo --step-reward-granularity token
     python istar.py --model-name Qwen/Qwen2.5-1.5B-Instruct --max-new-tokens 512 --env-id webshop
 """
@@ -66,24 +67,20 @@ from tqdm.auto import tqdm
 @dataclass
 class Args:
     # experiment
-    exp_name: str = Path(__file__).stem
-    """name of the run (the run directory is {env}__{exp_name}__{seed}__{time})"""
+    exp_name: str = Path(__file__).stem  # run name (run dir: {env}__{exp_name}__{seed}__{time})
     seed: int = 1  # random seed (python, numpy, torch, task sampling)
     output_dir: str = "runs"  # directory under which the run directory is created
     track: bool = False  # also log to TensorBoard (only if tensorboard is installed)
     save_model: bool = True  # save the adapters (policy: <run>/adapter, PRM: <run>/adapter/prm)
-    checkpoint_every: int = 10
-    """save the adapters and checkpoint.pt every this many iterations (0: only at the end)"""
-    resume: Optional[str] = None
-    """a run directory: continue that run from its checkpoint.pt, with its config.json arguments"""
+    checkpoint_every: Optional[int] = None
+    """save the adapters and checkpoint.pt every N iterations (0: at the end; None: RUN_SIZES)"""
+    resume: Optional[str] = None  # a run dir to continue from its checkpoint.pt and config.json
     torch_threads: int = 0  # CPU threads for torch (0: leave torch's default)
 
     # model
-    model_name: str = "tiny"
-    """'tiny' (the env's tiny policy), 'smollm2-135m', a hub id or a local directory"""
+    model_name: str = "tiny"  # 'tiny' (the env's tiny policy), 'smollm2-135m', a hub id or a dir
     tiny_preset: str = "default"  # tiny policy size: 'default' or 'micro' (for tests)
-    load_in_4bit: Optional[bool] = None
-    """None: nf4 on CUDA, plain weights on CPU; True forces 4-bit; False never"""
+    load_in_4bit: Optional[bool] = None  # None: nf4 on CUDA only; True: always; False: never
     lora_r: int = 16  # LoRA rank of the policy and of the PRM adapter
     lora_alpha: int = 32  # LoRA alpha of the policy and of the PRM adapter
     lora_dropout: float = 0.0  # LoRA dropout
@@ -93,20 +90,19 @@ class Args:
     eval_temperature: float = 1.0  # sampled evaluation's temperature (paper: 0.4; greedy too)
 
     # environment
-    env_id: str = "sokoban"  # training and evaluation env
+    env_id: Optional[str] = None  # training and evaluation env; None: by model (RUN_SIZES)
     history: Optional[int] = None  # (action, observation) pairs shown; None: tiny recipe's or env's
     max_turns: int = 0  # steps per episode (0: the env's; paper: 15 on Sokoban, 10 on WebShop)
-    sokoban_reward: Literal["shaped", "sparse"] = "shaped"
-    """Sokoban's r_o: 'shaped' (paper: -0.1/step, +-1/box on/off target, +10 solved), 'sparse'"""
+    sokoban_reward: Literal["shaped", "sparse"] = "shaped"  # Sokoban r_o: paper's shaped or sparse
     opponent: str = "rule:fair"  # scripted opponent of two-player envs (bargaining, negotiation)
-    eval_num_tasks: int = 200  # test tasks per evaluation (0: all; Sokoban's 200: SE <= 0.035)
-    eval_every: int = 10  # evaluate every this many iterations (and before training and at the end)
+    eval_num_tasks: Optional[int] = None  # test tasks per evaluation (0: all); None: RUN_SIZES
+    eval_every: Optional[int] = None  # evaluate every N iterations, first and last; None: RUN_SIZES
     num_logged_episodes: int = 4  # decoded episodes per evaluation written to samples.jsonl
 
     # algorithm
-    num_iterations: int = 40  # iterations (rollout, PRM, policy update; paper: 200; CPU-sized)
-    tasks_per_iteration: int = 4  # tasks per iteration (paper: 32 Sokoban, 16 WebShop; CPU-sized)
-    group_size: int = 8  # N: trajectories per task (paper: 8)
+    num_iterations: Optional[int] = None  # iterations (paper: 200); None: by model (RUN_SIZES)
+    tasks_per_iteration: Optional[int] = None  # (paper: 32 Sokoban, 16 WebShop); None: RUN_SIZES
+    group_size: Optional[int] = None  # N: trajectories per task (paper: 8); None: RUN_SIZES
     learning_rate: Optional[float] = None  # policy lr (paper: 5e-7, full fine-tune); None: PRESETS
     prm_learning_rate: Optional[float] = None  # PRM lr (paper: 1e-6, 2x policy's); None: PRESETS
     weight_decay: float = 0.0  # AdamW weight decay of both optimizers (official: 0)
@@ -115,37 +111,36 @@ class Args:
     num_minibatches: int = 2  # optimizer steps per iteration (the turns in this many minibatches)
     micro_batch_size: Optional[int] = None  # turns per forward (grad accumulation); None: PRESETS
     beta: float = 0.05  # β of the implicit reward (paper: 0.05)
-    alpha: float = 1.0
-    """α, weight of the step-level advantage (paper: 1; 0 = vanilla RLOO/GRPO baseline)"""
-    estimator: Literal["rloo", "grpo"] = "rloo"
-    """advantage estimator of both levels (paper's Sokoban/WebShop runs: RLOO)"""
-    step_reward_granularity: Literal["step", "token"] = "step"
-    """'step': one reward per action (iStar); 'token': one per token (Table 3 ablation)"""
+    alpha: float = 1.0  # α, weight of the step-level advantage (paper: 1; 0: RLOO/GRPO baseline)
+    estimator: Literal["rloo", "grpo"] = "rloo"  # of both levels (paper, Sokoban/WebShop: RLOO)
+    step_reward_granularity: Literal["step", "token"] = "step"  # iStar or Table 3's ablation
     step_reward_norm: Literal["batch_max_abs", "none"] = "batch_max_abs"
     """step rewards / their largest |value| in the batch (official istar_norm: batch_norm)"""
-    dpo_reduce: Literal["mean", "sum"] = "mean"
-    """DPO trajectory score: mean (official) or sum (Eq. 2 literally) of its step rewards"""
+    dpo_reduce: Literal["mean", "sum"] = "mean"  # trajectory score: mean (official) or sum (Eq. 2)
     prm_updates_per_iteration: int = 1  # PRM steps per iteration (official: 1; more did not help)
-    prm_replay: Optional[int] = None
-    """past iterations whose pairs the PRM also trains on (official: 0); None: by model (PRESETS)"""
-    positive_threshold: Optional[float] = None
-    """DPO positives: None: info['success'] (POSITIVE_THRESHOLD_BY_ENV aside); a number: r_o > it"""
+    prm_replay: Optional[int] = None  # iterations the PRM replays (official: 0); None: PRESETS
+    positive_threshold: Optional[float] = None  # DPO positive: r_o > this; None: success or by env
     invalid_penalty: float = 0.1  # subtracted from the outcome per invalid action (paper: 0.1)
     clip_eps: float = 0.2  # ε of the clipped importance ratio (paper: 0.2)
     dual_clip: float = 3.0  # dual-clip c for negative advantages (verl default; 0 disables)
-    ratio_level: Literal["step", "token"] = "step"
-    """'step': one ratio per action, step-mean (Eq. 6, GSPO); 'token': token-mean (official verl)"""
+    ratio_level: Literal["step", "token"] = "step"  # step-mean (Eq. 6) or token-mean (verl)
     adv_eps: float = 1e-6  # ε in (x - mean) / (std + ε)
 
 
-# The options left at None depend on the model; `resolve_args` fills them, in this one place.
-# "real": any pretrained model, the official PRM settings (lr 2x the policy's, no replay; policy lr
-# for LoRA; 8 turns per forward: 64 long prompts need over 16 GB on a CPU). "tiny": its recipe
-# supplies prompt options and token budget; the cheapest PRM setting under which the PRM learns in
-# the default run (docs/istar.md, "PRM settings on the tiny policy").
+# Options left at None that depend on the model (`resolve_args`). "real": any pretrained model, the
+# official PRM settings (lr 2x the policy's, no replay; 8 turns per forward: 64 long prompts need
+# over 16 GB on a CPU). "tiny": its recipe's prompt options and token budget; the cheapest PRM
+# setting under which the PRM learns (docs/istar.md, "PRM settings on the tiny policy").
 PRESETS = {"real": dict(learning_rate=1e-5, max_new_tokens=512, prm_replay=0, micro_batch_size=8),
            "tiny": dict(learning_rate=5e-4, prm_learning_rate=4e-3, prm_replay=4,
                         micro_batch_size=64)}
+# The run's size (options left at None): the tiny CPU run (Sokoban's 200 test tasks: SE <= 0.035)
+# and SmolLM2 with its WebShop adapter, under an hour on 2 CPU cores (docs/smollm2.md).
+RUN_SIZES = {"default": dict(env_id="sokoban", num_iterations=40, tasks_per_iteration=4,
+                             group_size=8, eval_num_tasks=200, eval_every=10, checkpoint_every=10),
+             "smollm2-135m": dict(env_id="webshop", num_iterations=8, tasks_per_iteration=2,
+                                  group_size=4, learning_rate=1e-4, eval_num_tasks=30, eval_every=0,
+                                  checkpoint_every=2)}
 POSITIVE_THRESHOLD_BY_ENV = {"negotiation": 6.0}  # a 0-10 score: positives above 6 (SOTOPIA rule)
 
 
@@ -876,6 +871,7 @@ def make_env(args):
     import envs
     from common.models import UserError, policy_defaults
 
+    args = run_size(args)  # main has filled it; a caller outside main may leave env_id at None
     if args.env_id not in envs.available():
         raise UserError(f"env {args.env_id!r} is not available in this checkout; available env "
                         f"ids: {', '.join(envs.available()) or 'none'}")
@@ -936,11 +932,8 @@ def check_args(args):
         (args.prm_updates_per_iteration >= 1,
          f"--prm-updates-per-iteration must be >= 1, got {args.prm_updates_per_iteration} "
          "(--alpha 0 turns the PRM off)"),
-        (args.prm_replay is None or args.prm_replay >= 0,
-         "--prm-replay must be >= 0 (earlier iterations whose pairs the PRM also trains on), "
-         f"got {args.prm_replay}"),
-        (args.prm_learning_rate is None or args.prm_learning_rate > 0,
-         f"--prm-learning-rate must be > 0, got {args.prm_learning_rate}"),
+        (args.prm_replay is None or args.prm_replay >= 0, "--prm-replay must be >= 0 (or None)"),
+        (args.prm_learning_rate is None or args.prm_learning_rate > 0, "--prm-learning-rate: > 0"),
     ]
     for ok, message in rules:
         if not ok:
@@ -971,6 +964,14 @@ def iteration_row(episodes, samples, ustats, cstats, prm_stats, seconds):
 def adapter_params(model, adapter):
     """The LoRA parameters of one named adapter (by name, whichever adapter is active)."""
     return [p for n, p in model.named_parameters() if "lora_" in n and f".{adapter}." in n]
+
+
+def run_size(args):
+    """`args` with the run-size options left at None from RUN_SIZES (no entry: "default")."""
+    if args.model_name in RUN_SIZES:
+        tqdm.write(f"{args.model_name}: " + ", ".join(
+            f"{k}={v}" for k, v in RUN_SIZES[args.model_name].items() if getattr(args, k) is None))
+    return fill_defaults(args, RUN_SIZES.get(args.model_name, RUN_SIZES["default"]))
 
 
 def fill_defaults(args, values):
@@ -1097,6 +1098,7 @@ def main(args: Args):
     if args.torch_threads > 0:
         torch.set_num_threads(args.torch_threads)
     rng = seed_everything(args.seed)
+    args = run_size(args)
     new_env, probe, defaults, env_kwargs = make_env(args)
     args = resolve_args(args, defaults)
     check_args(args)
@@ -1138,7 +1140,6 @@ def main(args: Args):
         episodes = rollout(model, tok, new_env, tasks, groups, args.temperature,
                            args.max_new_tokens)
         seconds = {"rollout": time.time() - t0}
-
         t1 = time.time()
         turns = old_logprob_turns(model, tok, episodes, args)  # π_θold's log-probs, taken once
         seconds["old_logprob"] = time.time() - t1

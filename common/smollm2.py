@@ -76,7 +76,7 @@ RECIPES: dict[str, dict] = {
     "sokoban": dict(),
     "guess_my_city": dict(),
     "alfworld": dict(),
-    "negotiation_strategist": dict(),  # EPO's strategist (common.tiny.TESTBEDS): strategies, not moves
+    "negotiation_strategist": dict(steps=300, lr=4e-4),  # EPO's strategist (common.tiny.TESTBEDS): strategies, not moves; Bargaining's budget
 }
 
 

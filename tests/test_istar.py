@@ -497,20 +497,20 @@ def test_replay_gradient_is_the_pooled_dpo_gradient_over_both_iterations():
                                   {"prm_replay": -1}])
 def test_bad_prm_options_are_user_errors(flag):
     from common.models import UserError
-    from istar import check_args
+    from istar import check_args, run_size
 
     with pytest.raises(UserError, match="--" + next(iter(flag)).replace("_", "-")):
-        check_args(Args(**flag))
+        check_args(run_size(Args(**flag)))
 
 
 def test_zero_micro_batch_is_a_user_error_before_and_after_resolving():
     """None (by model) passes before the presets fill it in; 0 never does (it would reach range())."""
     from common.models import UserError
-    from istar import check_args
+    from istar import check_args, run_size
 
-    check_args(Args())
+    check_args(run_size(Args()))
     with pytest.raises(UserError, match="--micro-batch-size must be >= 1"):
-        check_args(Args(micro_batch_size=0))
+        check_args(run_size(Args(micro_batch_size=0)))
 
 
 @pytest.mark.parametrize("is_tiny", [True, False])
@@ -518,10 +518,10 @@ def test_prm_defaults_resolve_by_model(is_tiny):
     """PRM lr and replay left at None: the tiny policy's tuned setting (docs/istar.md, "PRM settings on the tiny
     policy"), else the official one (2x the policy lr, no replay); one PRM step per iteration for both; a value
     given on the command line is kept, and a real model's PRM lr follows a given policy lr."""
-    from istar import check_args, resolve_args
+    from istar import check_args, resolve_args, run_size
 
     defaults = SimpleNamespace(is_tiny=is_tiny, learning_rate=1e-5, max_new_tokens=7)
-    args = Args()
+    args = run_size(Args())
     check_args(args)
     args = resolve_args(args, defaults)
     check_args(args)

@@ -17,6 +17,7 @@ METHODS = ["graphgpo.py", "istar.py", "delta_belief.py", "aria.py", "epo.py"]
 SHARED = ["Sample", "render_prompt", "encode", "completion_text", "CommonNoise", "SampledLogprobs", "merged_lora",
           "generate", "completion_logprobs",
           "mean_se", "Logger", "start_run", "eval_line", "write_summary", "seed_everything", "fill_defaults",
+          "run_size",
           "resumed_args", "save_checkpoint", "load_checkpoint"]
 SHARED_WHERE_DEFINED = ["save_adapter", "_padded"]
 
@@ -56,8 +57,43 @@ def test_mean_se_eval_line_and_fill_defaults_by_hand():
           "eval/win_rate_Bob_vs_fair_se": 0.1, "eval/success_episodes": [0.0, 1.0]}
     assert g.eval_line(3, ev) == "eval @ iteration 3: success 0.250 ± 0.050"
     args = g.Args(omega=0.3)  # given: kept; left at None: filled; a value that is not None is never replaced
-    filled = g.fill_defaults(args, {"omega": 0.8, "learning_rate": 1e-4, "max_new_tokens": 7, "group_size": 3})
-    assert (filled.omega, filled.learning_rate, filled.max_new_tokens, filled.group_size) == (0.3, 1e-4, 7, 8)
+    filled = g.fill_defaults(args, {"omega": 0.8, "learning_rate": 1e-4, "max_new_tokens": 7, "clip_eps": 3})
+    assert (filled.omega, filled.learning_rate, filled.max_new_tokens, filled.clip_eps) == (0.3, 1e-4, 7, 0.2)
+
+
+# The tiny default run of every script, as it was before the run sizes moved into RUN_SIZES (the committed
+# results were measured with these), and the env of each script's SmolLM2 run.
+TINY_RUN = {"graphgpo": dict(env_id="sokoban", num_iterations=40, tasks_per_iteration=4, group_size=8,
+                             eval_num_tasks=200, eval_every=10, checkpoint_every=10),
+            "istar": dict(env_id="sokoban", num_iterations=40, tasks_per_iteration=4, group_size=8,
+                          eval_num_tasks=200, eval_every=10, checkpoint_every=10),
+            "delta_belief": dict(env_id="twenty_questions", max_turns=20, num_iterations=64, tasks_per_iteration=8,
+                                 group_size=4, eval_num_tasks=0, eval_k=5, eval_every=32, checkpoint_every=50),
+            "aria": dict(env_id="bargaining", num_iterations=None, games_per_iteration=None, eval_num_tasks=0,
+                         eval_k=2, eval_every=2, checkpoint_every=1),
+            "epo": dict(env_id="negotiation", num_iterations=40, episodes_per_iteration=64, eval_num_tasks=0,
+                        eval_every=10, checkpoint_every=5)}
+SMOLLM2_ENV = {"graphgpo": "webshop", "istar": "webshop", "delta_belief": "twenty_questions",
+               "aria": "bargaining", "epo": "negotiation"}
+
+
+@pytest.mark.parametrize("script", sorted(TINY_RUN))
+def test_run_size_fills_only_what_is_left_at_none(script, capsys):
+    import importlib
+
+    mod = importlib.import_module(script)
+    for model in ("tiny", "Qwen/Qwen2.5-1.5B-Instruct", "smollm2-135m-instruct"):  # no entry: the CPU default run
+        args = mod.run_size(mod.Args(model_name=model))
+        assert {k: getattr(args, k) for k in TINY_RUN[script]} == TINY_RUN[script]
+    assert capsys.readouterr().out == ""  # the default run prints no preset line
+    args = mod.run_size(mod.Args(model_name="smollm2-135m", num_iterations=3, env_id="alfworld"))
+    assert (args.num_iterations, args.env_id) == (3, "alfworld")  # a flag given wins
+    assert "num_iterations" not in capsys.readouterr().out  # and is not announced as the preset's
+    args = mod.run_size(mod.Args(model_name="smollm2-135m"))
+    assert args.env_id == SMOLLM2_ENV[script] and args.learning_rate == 1e-4
+    assert all(getattr(args, k) is not None for k in mod.RUN_SIZES["smollm2-135m"])
+    assert args.num_iterations < (TINY_RUN[script]["num_iterations"] or 8)  # a SmolLM2 iteration costs minutes
+    assert f"env_id={SMOLLM2_ENV[script]}" in capsys.readouterr().out
 
 
 def test_write_summary_pairs_the_episodes_by_hand(tmp_path, capsys):
