@@ -970,9 +970,9 @@ def check_args(args):
 
 def run_size(args):
     """`args` with the run-size options left at None from RUN_SIZES (no entry: "default")."""
-    if args.model_name in RUN_SIZES:
-        tqdm.write(f"{args.model_name}: " + ", ".join(
-            f"{k}={v}" for k, v in RUN_SIZES[args.model_name].items() if getattr(args, k) is None))
+    filled = {k: v for k, v in RUN_SIZES.get(args.model_name, {}).items() if getattr(args, k) is None}
+    if filled:  # a model with its own entry: say what it took
+        tqdm.write(f"{args.model_name}: " + ", ".join(f"{k}={v}" for k, v in filled.items()))
     return fill_defaults(args, RUN_SIZES.get(args.model_name, RUN_SIZES["default"]))
 
 

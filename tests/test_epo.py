@@ -323,7 +323,7 @@ def test_make_env_gives_reset_seated_games():
     import envs
 
     new_env, probe, defaults, kw = epo.make_env(epo.Args(tiny_preset="micro"))
-    args = epo.resolve_args(epo.Args(tiny_preset="micro"), defaults)
+    args = epo.resolve_args(epo.run_size(epo.Args(tiny_preset="micro")), defaults)
     assert kw["moves"] == "strategy" and kw["history"] is None and defaults.is_tiny
     # the tiny strategist's recipe overrides (common/tiny.py); none in an env whose moves are not strategies
     from common.tiny import strategist_overrides

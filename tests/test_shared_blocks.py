@@ -94,6 +94,8 @@ def test_run_size_fills_only_what_is_left_at_none(script, capsys):
     assert all(getattr(args, k) is not None for k in mod.RUN_SIZES["smollm2-135m"])
     assert args.num_iterations < (TINY_RUN[script]["num_iterations"] or 8)  # a SmolLM2 iteration costs minutes
     assert f"env_id={SMOLLM2_ENV[script]}" in capsys.readouterr().out
+    mod.run_size(args)  # filled already (main, then make_env): nothing to say
+    assert capsys.readouterr().out == ""
 
 
 def test_write_summary_pairs_the_episodes_by_hand(tmp_path, capsys):

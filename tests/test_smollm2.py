@@ -243,8 +243,8 @@ def test_prompt_is_smollm2_chat_template_with_instruct_format(smol_tok, script):
     import envs
 
     mod = _module(script)
-    args = mod.Args(model_name="smollm2-135m-instruct")  # the raw instruct model (no SFT adapter)
-    assert args.env_id == SCRIPTS[script]
+    args = mod.run_size(mod.Args(model_name="smollm2-135m-instruct"))  # the raw instruct model (no SFT adapter)
+    assert args.env_id == SCRIPTS[script]  # no entry in RUN_SIZES: the default run's env
     new_env, probe, defaults, env_kwargs = mod.make_env(args)
     # a real model: no tiny recipe options (the envs' full instruct prompts), the method's real-model defaults
     assert not defaults.is_tiny and defaults.env_kwargs == {} and "instructions" not in env_kwargs
