@@ -970,7 +970,8 @@ def episode_record(ep, tag, weights=None):
 
 def run_size(args):
     """`args` with the run-size options left at None from RUN_SIZES (no entry: "default")."""
-    filled = {k: v for k, v in RUN_SIZES.get(args.model_name, {}).items() if getattr(args, k) is None}
+    own = RUN_SIZES.get(args.model_name, {})
+    filled = {k: v for k, v in own.items() if getattr(args, k) is None}
     if filled:  # a model with its own entry: say what it took
         tqdm.write(f"{args.model_name}: " + ", ".join(f"{k}={v}" for k, v in filled.items()))
     return fill_defaults(args, RUN_SIZES.get(args.model_name, RUN_SIZES["default"]))

@@ -957,8 +957,7 @@ def check_args(args):
     from common.models import UserError
 
     if args.num_iterations < 0 or args.episodes_per_iteration < 1 or args.num_epochs < 1:
-        raise UserError("--num-iterations must be >= 0, --episodes-per-iteration and "
-                        "--num-epochs >= 1")
+        raise UserError("--num-iterations: >= 0; --episodes-per-iteration, --num-epochs: >= 1")
     if not 0.0 < args.gamma <= 1.0:
         raise UserError("--gamma must be in (0, 1]")
     if min(args.micro_batch_size, args.trajectories_per_step) < 1 or args.eval_num_tasks < 0:
@@ -970,7 +969,8 @@ def check_args(args):
 
 def run_size(args):
     """`args` with the run-size options left at None from RUN_SIZES (no entry: "default")."""
-    filled = {k: v for k, v in RUN_SIZES.get(args.model_name, {}).items() if getattr(args, k) is None}
+    own = RUN_SIZES.get(args.model_name, {})
+    filled = {k: v for k, v in own.items() if getattr(args, k) is None}
     if filled:  # a model with its own entry: say what it took
         tqdm.write(f"{args.model_name}: " + ", ".join(f"{k}={v}" for k, v in filled.items()))
     return fill_defaults(args, RUN_SIZES.get(args.model_name, RUN_SIZES["default"]))

@@ -340,6 +340,7 @@ def graphgpo_batch(cfg: Config, env_id: str = "sokoban", argv: Sequence[str] = (
 
     args = tyro.cli(gg.Args, args=["--env-id", env_id, "--seed", str(cfg.seed), "--group-size", str(cfg.group),
                                    "--tasks-per-iteration", str(cfg.tasks), *argv])
+    args = gg.run_size(args)  # the run-size options the flags leave at None
     rng = gg.seed_everything(cfg.seed)
     new_env, probe, defaults, _ = gg.make_env(args)
     args = gg.resolve_args(args, defaults)
@@ -420,6 +421,7 @@ def istar_batch(cfg: Config, env_id: str = "sokoban", argv: Sequence[str] = (), 
 
     args = tyro.cli(ist.Args, args=["--env-id", env_id, "--seed", str(cfg.seed), "--group-size", str(cfg.group),
                                     "--tasks-per-iteration", str(cfg.tasks), *argv])
+    args = ist.run_size(args)  # the run-size options the flags leave at None
     rng = ist.seed_everything(cfg.seed)
     new_env, probe, defaults, _ = ist.make_env(args)
     args = ist.resolve_args(args, defaults)
@@ -514,6 +516,7 @@ def delta_belief_batch(cfg: Config, env_id: str = "twenty_questions", argv: Sequ
 
     args = tyro.cli(db.Args, args=["--env-id", env_id, "--seed", str(cfg.seed), "--group-size", str(cfg.group),
                                    "--tasks-per-iteration", str(cfg.tasks), *argv])
+    args = db.run_size(args)  # the run-size options the flags leave at None
     rng = db.seed_everything(cfg.seed)
     new_env, probe, defaults, _ = db.make_env(args)
     args = db.resolve_args(args, defaults)
@@ -585,6 +588,7 @@ def aria_batch(cfg: Config, env_id: str = "bargaining", argv: Sequence[str] = ()
     games = cfg.tasks * cfg.group
     args = tyro.cli(ar.Args, args=["--env-id", env_id, "--seed", str(cfg.seed), "--games-per-iteration", str(games),
                                    *argv])
+    args = ar.run_size(args)  # the run-size options the flags leave at None
     rng = ar.seed_everything(cfg.seed)
     new_env, probe, defaults, _ = ar.make_env(args)
     args = ar.resolve_args(args, defaults)
@@ -663,6 +667,7 @@ def epo_batch(cfg: Config, env_id: str = "negotiation", argv: Sequence[str] = ()
     games_n = cfg.tasks * cfg.group
     args = tyro.cli(ep_mod.Args, args=["--env-id", env_id, "--seed", str(cfg.seed),
                                        "--episodes-per-iteration", str(games_n), *argv])
+    args = ep_mod.run_size(args)  # the run-size options the flags leave at None
     rng = ep_mod.seed_everything(cfg.seed)
     new_env, probe, defaults, _ = ep_mod.make_env(args)
     args = ep_mod.resolve_args(args, defaults)

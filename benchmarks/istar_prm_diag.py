@@ -78,7 +78,7 @@ def cmd_run(a):
     from common.models import add_adapter, load_policy
 
     torch.set_num_threads(a.threads)
-    base = istar.Args(seed=a.seed, alpha=0.0, torch_threads=a.threads)
+    base = istar.run_size(istar.Args(seed=a.seed, alpha=0.0, torch_threads=a.threads))
     rng = istar.seed_everything(a.seed)
     new_env, probe, defaults, _ = istar.make_env(base)
     train_tasks = list(probe.task_ids("train"))

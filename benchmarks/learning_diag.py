@@ -163,9 +163,9 @@ def cmd_train(a):
     params = [p for p in model.parameters() if p.requires_grad]
     opt = (torch.optim.SGD(params, lr=a.lr, momentum=0.9) if a.optimizer == "sgd"
            else torch.optim.AdamW(params, lr=a.lr))
-    args = G.Args(step_advantage="graph" if a.mode == "graph" else "none", learning_rate=a.lr,
-                  num_minibatches=a.minibatches, kl_coef=0.0 if a.mode == "oracle" else 0.01,
-                  omega=0.8)
+    args = G.run_size(G.Args(step_advantage="graph" if a.mode == "graph" else "none", learning_rate=a.lr,
+                             num_minibatches=a.minibatches, kl_coef=0.0 if a.mode == "oracle" else 0.01,
+                             omega=0.8))
     rng = np.random.default_rng(a.seed)
     curve = [{"iteration": 0, "success": success(model, tok, make, test)}]
     print(curve[-1], flush=True)
