@@ -29,7 +29,12 @@ and end of the run, torch and transformers versions), the git commit and whether
 docs/ differed from it, and how many runs shared the machine (`--parallel`).
 
 Resumable: a run whose (variant, seed, command) is already in the --out file is skipped (`--rerun`
-runs it again and appends a new line; report.py uses the last line of each). A run that fails (non-zero
+runs it again and appends a new line; report.py uses the last line of each). With `--keep-runs DIR` a run
+that was killed also resumes: its directory is DIR/learning_<bench>/<variant>__<seed>__<command hash>, so
+the same command finds it again and continues it from its last checkpoint (`<script>.py --resume RUN_DIR`;
+the scripts' resume ends with the metrics an uninterrupted run has, tests/test_resume.py); a run killed
+before its first checkpoint starts again. Its line's `wall_seconds` sums the sittings (each clocked every
+30 s while it runs) and `sittings` counts them (1: never interrupted). A run that fails (non-zero
 exit, no summary.json) is reported with the end of its log, is not written, and the runner exits 1 after
 the other runs finish.
 """
@@ -66,7 +71,8 @@ SCRIPTS = ("graphgpo", "istar", "delta_belief", "aria", "epo")
 RUNNER_FLAGS = ("--seed", "--torch-threads", "--output-dir", "--exp-name")  # the runner sets these
 RECORD_KEYS = ("bench", "script", "variant", "variant_flags", "extra_flags", "command", "seed", "env_id",
                "metric", "before", "before_se", "after", "after_se", "change", "change_se", "fell", "paired",
-               "change_se_quadrature", "greedy", "curve", "credit_means", "perf_means", "train_charts", "method_stats", "wall_seconds", "iterations", "config",
+               "change_se_quadrature", "greedy", "curve", "credit_means", "perf_means", "train_charts", "method_stats",
+               "wall_seconds", "sittings", "iterations", "config",
                "tiny_policy", "machine", "git", "parallel", "finished_at")
 
 
@@ -94,7 +100,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--bench", default=None, help="the bench name written in every line (default: the --out file's stem)")
     p.add_argument("--parallel", type=int, default=1, help="runs at a time, one torch thread each (default 1)")
     p.add_argument("--rerun", action="store_true", help="run (variant, seed, command)s already in --out again")
-    p.add_argument("--keep-runs", default=None, metavar="DIR", help="keep the run directories under DIR")
+    p.add_argument("--keep-runs", default=None, metavar="DIR", help="keep the run directories under DIR; a killed run "
+                        "found there again resumes from its last checkpoint")
     args = p.parse_args(argv)
     args.extra = extra
     args.script = args.script.removesuffix(".py")
@@ -384,17 +391,64 @@ def collect(run_dir: Path) -> dict:
             "iterations": summary["iterations"], "config": config}
 
 
-def run_job(job: Job, script: str, extra: list[str], scratch: Path) -> tuple[Job, int, Path, float, tuple, tuple]:
-    """Run one (variant, seed) to completion; its output goes to <scratch>/<variant>__<seed>/run.log."""
-    out_dir = scratch / f"{job.variant}__{job.seed}"
+def job_dir(scratch: Path, job: Job, keep: bool) -> Path:
+    """Where a job's run goes: <variant>__<seed>, and with --keep-runs also a hash of its command, so that
+    the same command finds its killed run again and a different command never does."""
+    name = f"{job.variant}__{job.seed}"
+    if keep:
+        name += "__" + hashlib.sha256(job.command.encode()).hexdigest()[:8]
+    return scratch / name
+
+
+def resume_point(out_dir: Path) -> tuple[Path | None, bool]:
+    """(the run dir to go on with, finished?) from what an earlier sitting left in `out_dir`: a finished
+    run (summary.json) is collected as it is, a run with a checkpoint.pt resumes; a run killed before its
+    first checkpoint is removed (it starts again)."""
+    runs = sorted(d for d in out_dir.iterdir() if d.is_dir() and (d / "config.json").is_file())
+    for d in runs:
+        if (d / "summary.json").is_file():
+            return d, True
+    resumable = [d for d in runs if (d / "checkpoint.pt").is_file()]
+    for d in runs:
+        if d not in resumable[-1:]:
+            shutil.rmtree(d, ignore_errors=True)
+    return (resumable[-1] if resumable else None), False
+
+
+def run_job(job: Job, script: str, extra: list[str], out_dir: Path) -> tuple[Job, int, Path, float, int, tuple, tuple]:
+    """Run one (variant, seed) to completion in `out_dir` (its output appended to out_dir/run.log), going
+    on from an earlier sitting's checkpoint if one is there. Returns the wall seconds of all sittings."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, str(REPO / f"{script}.py"), "--seed", str(job.seed), "--torch-threads", "1",
-            "--output-dir", str(out_dir), "--exp-name", job.variant, *job.flags, *extra]
+    prior, finished = resume_point(out_dir)
+    walls_file = out_dir / "sittings.json"
+    walls = json.loads(walls_file.read_text()) if walls_file.is_file() and prior else []
     load0, t0 = os.getloadavg(), time.time()
-    with open(out_dir / "run.log", "w") as log:
-        rc = subprocess.run(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1")).returncode
-    return job, rc, out_dir, time.time() - t0, load0, os.getloadavg()
+    if finished:
+        return job, 0, out_dir, sum(walls), max(len(walls), 1), load0, load0
+    if prior is not None:
+        argv = [sys.executable, str(REPO / f"{script}.py"), "--resume", str(prior), "--torch-threads", "1"]
+    else:
+        argv = [sys.executable, str(REPO / f"{script}.py"), "--seed", str(job.seed), "--torch-threads", "1",
+                "--output-dir", str(out_dir), "--exp-name", job.variant, *job.flags, *extra]
+
+    def clock():  # this sitting's seconds so far, beside the earlier sittings'
+        walls_file.write_text(json.dumps(walls + [round(time.time() - t0, 1)]))
+
+    with open(out_dir / "run.log", "a") as log:
+        log.write(f"$ {shlex.join(argv)}\n")
+        log.flush()
+        proc = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        while True:
+            clock()
+            try:
+                rc = proc.wait(timeout=30)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+    clock()
+    walls = json.loads(walls_file.read_text())
+    return job, rc, out_dir, sum(walls), len(walls), load0, os.getloadavg()
 
 
 def log_tail(path: Path, n: int = 12) -> str:
@@ -441,14 +495,19 @@ def main(argv: list[str]) -> int:
     keep = Path(args.keep_runs) if args.keep_runs else None
     if keep:
         keep.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f"learning_{args.bench}_", dir=keep))  # keep=None: the system's tmp
+    if keep:  # a fixed place, so that the same command finds a killed run again
+        scratch = keep / f"learning_{args.bench}"
+        scratch.mkdir(exist_ok=True)
+    else:
+        scratch = Path(tempfile.mkdtemp(prefix=f"learning_{args.bench}_"))  # the system's tmp
     failed, written = [], 0
     bar = tqdm(total=len(jobs), desc=f"{args.bench} ({args.script}.py)", unit="run", dynamic_ncols=True)
     pool = ThreadPoolExecutor(max_workers=args.parallel)
-    futures = [pool.submit(run_job, job, args.script, args.extra, scratch) for job in jobs]
+    futures = [pool.submit(run_job, job, args.script, args.extra, job_dir(scratch, job, bool(keep)))
+               for job in jobs]
     try:
         for fut in as_completed(futures):
-            job, rc, run_root, wall, load0, load1 = fut.result()
+            job, rc, run_root, wall, sittings, load0, load1 = fut.result()
             bar.update(1)
             run_dirs = [d for d in run_root.iterdir() if (d / "summary.json").is_file()]
             try:
@@ -462,7 +521,7 @@ def main(argv: list[str]) -> int:
                 continue
             rec = {"bench": args.bench, "script": f"{args.script}.py", "variant": job.variant,
                    "variant_flags": job.flags, "extra_flags": args.extra, "command": job.command, "seed": job.seed,
-                   **measured, "wall_seconds": round(wall, 2), "tiny_policy": policies[job.variant],
+                   **measured, "wall_seconds": round(wall, 2), "sittings": sittings, "tiny_policy": policies[job.variant],
                    "machine": {**machine, "load_average_start": [round(x, 2) for x in load0],
                                "load_average_end": [round(x, 2) for x in load1]},
                    "git": git, "parallel": args.parallel,
@@ -472,13 +531,16 @@ def main(argv: list[str]) -> int:
             written += 1
             if not keep:
                 shutil.rmtree(run_root, ignore_errors=True)
+            else:  # kept under a new name: a --rerun of the same command starts a new run
+                run_root.rename(run_root.with_name(f"{run_root.name}__{rec['finished_at'].replace(':', '')}"))
             tqdm.write(f"{job.variant} seed {job.seed}: {rec['metric']} {rec['before']:.3f} -> {rec['after']:.3f} "
                        f"({rec['change']:+.3f} ± {rec['change_se']:.3f}), {wall:.0f} s")
             if learning_warning(rec):
                 tqdm.write(f"{job.variant} seed {job.seed}: " + learning_warning(rec))
     except KeyboardInterrupt:  # the runs in flight got the same SIGINT; start no new ones
         pool.shutdown(wait=False, cancel_futures=True)
-        print(f"\ninterrupted: {written} runs written to {out}; run the same command again to resume", file=sys.stderr)
+        print(f"\ninterrupted: {written} runs written to {out}; run the same command again to resume"
+              + (" (the runs in flight go on from their last checkpoints)" if keep else ""), file=sys.stderr)
         return 130
     pool.shutdown()
     bar.close()

@@ -409,6 +409,41 @@ def test_runner_end_to_end_micro(tiny_cache, tmp_path):
 
 
 
+def test_runner_resumes_a_killed_run_from_its_checkpoint(tiny_cache, tmp_path):
+    import signal
+    import time
+
+    import envs
+
+    if "sokoban" not in envs.available():
+        pytest.skip("envs/sokoban.py not in this checkout")
+    out, keep = tmp_path / "resume.jsonl", tmp_path / "keep"
+    flags = [*MICRO[:2], "--num-iterations", "6", "--checkpoint-every", "1", *MICRO[4:]]
+    args = [str(REPO / "benchmarks" / "learning.py"), "--script", "graphgpo", "--variants", "g=", "--seeds", "3",
+            "--out", str(out), "--keep-runs", str(keep), "--", *flags]
+    first = subprocess.Popen([sys.executable, *args], cwd=REPO, start_new_session=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while not list(keep.glob("learning_resume/g__3__*/sokoban__g__3__*/checkpoint.pt")):
+        assert time.time() < deadline and first.poll() is None, "no checkpoint was written"
+        time.sleep(0.05)
+    os.killpg(first.pid, signal.SIGKILL)  # the runner and its run, as a session's end would
+    first.wait()
+    assert not out.exists(), "the killed run wrote no line"
+
+    proc = runner(*args[1:])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (rec,) = learning.read_results(out)
+    assert rec["sittings"] == 2 and rec["iterations"] == 6 and rec["wall_seconds"] > 0
+    (kept,) = keep.glob("learning_resume/g__3__*")
+    assert "__20" in kept.name, "a written run is kept under a new name, so a --rerun starts afresh"
+    log = (kept / "run.log").read_text()
+    assert log.count("$ ") == 2 and "--resume" in log.split("$ ")[2] and "(resumed)" in log
+    (run_dir,) = kept.glob("sokoban__g__3__*")
+    iters = [json.loads(x)["iteration"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert iters == sorted(set(iters)) and iters[0] == 0 and iters[-1] == 6, "each iteration logged once"
+
+
 def test_first_iteration_clock_stops_at_the_first_training_row(tmp_path):
     m = tmp_path / "metrics.jsonl"
     assert first_iteration.first_training_row(m) is None  # not written yet
