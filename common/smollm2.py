@@ -263,6 +263,9 @@ def build(env_id: str, overrides: Optional[dict] = None, max_minutes: float = 0.
     save()
     model.eval()
     t0 = time.time()
+    if progress:
+        print(f"{env_id}: SFT done; evaluating on up to {recipe['eval_tasks']} test tasks, greedy then sampled "
+              "(no progress bar; minutes on a CPU)", file=sys.stderr)
     success = tiny.evaluate(model, tok, recipe["env_id"], recipe["env_kwargs"], max_tasks=recipe["eval_tasks"],
                             max_new_tokens=recipe["max_new_tokens"], temperature=1.0, seed=recipe["seed"])
     eval_seconds = time.time() - t0
