@@ -420,7 +420,11 @@ def test_script_runs_on_smollm2(smollm2_cache, smollm2_runs, script, four_bit):
     # the LoRA adapter of SmolLM2 was saved: every decoder linear of its 30 layers, rank 4 over hidden 576
     adapter_config = json.loads((run_dir / "adapter" / "adapter_config.json").read_text())
     # the base: the env's shipped SFT adapter merged into SmolLM2 (common/smollm2.py), else SmolLM2 itself
-    base = smollm2.ensure_policy(config["env_id"]) or smollm2_cache / "smollm2-135m"
+    from common.tiny import strategist_overrides
+
+    overrides = strategist_overrides(config["env_id"]) if script == "epo.py" else None
+    testbed = smollm2.testbed_name(config["env_id"], overrides)  # EPO's: negotiation_strategist
+    base = (smollm2.ensure_policy(testbed) if testbed else None) or smollm2_cache / "smollm2-135m"
     assert adapter_config["base_model_name_or_path"] == str(base)
     for name in ADAPTERS.get(script, ["default"]):
         tensors = adapter_tensors(run_dir, name)
