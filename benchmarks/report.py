@@ -94,6 +94,8 @@ class Table:
         variants = " ".join(f"{n}=" + (shlex.quote(f) if f else "") for n, (_, f) in self.variants.items())
         cmd = (f"python benchmarks/learning.py --script {self.script} --variants {variants} --seeds "
                f"{' '.join(map(str, self.seeds))} --parallel {self.parallel} --out docs/results/{self.key}.jsonl")
+        if self.model != "tiny":  # runs longer than a sitting: a killed one goes on from its checkpoint
+            cmd += " --keep-runs runs"
         return cmd + (f" -- {shlex.join(self.extras)}" if self.extras else "")
 
 
