@@ -83,6 +83,7 @@ class Args:
     lora_alpha: int = 64  # LoRA alpha (paper: 64)
     lora_dropout: float = 0.0  # LoRA dropout
     activation_checkpointing: bool = False  # in the training forward (saves GPU memory)
+    static_cache: bool = False  # static KV cache in generate, compiled on CUDA (docs/gpu.md)
     max_new_tokens: Optional[int] = None  # most tokens generated per turn; None: by model (PRESETS)
     temperature: Optional[float] = None
     """rollout sampling temperature; None: by model (1.0, the paper's; the tiny 20Q policy: 1.5)"""
@@ -452,6 +453,13 @@ def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False, 
     with `logprobs`, also each row's token log-probs (None where not drawn by `SampledLogprobs`)."""
     if not prompt_ids:
         return ([], []) if logprobs else []
+    n = len(prompt_ids)
+    if getattr(model.generation_config, "cache_implementation", None) == "static":  # --static-cache
+        # a static cache is compiled once per batch size (on CUDA): pad to a power of two with
+        # copies of row 0, dropped below (sampled rows then draw other torch random numbers)
+        extra = (1 << (n - 1).bit_length()) - n
+        prompt_ids = list(prompt_ids) + [prompt_ids[0]] * extra
+        noise_keys = None if noise_keys is None else list(noise_keys) + [noise_keys[0]] * extra
     device = next(model.parameters()).device
     pad, eos = tok.pad_token_id, tok.eos_token_id
     width = max(len(p) for p in prompt_ids)
@@ -470,7 +478,7 @@ def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False, 
     with merged_lora(model):
         out = model.generate(input_ids=input_ids, attention_mask=attention, pad_token_id=pad,
                              eos_token_id=eos, max_new_tokens=max_new_tokens, **kw)
-    rows = [row[: row.index(eos) + 1] if eos in row else row for row in out[:, width:].tolist()]
+    rows = [row[: row.index(eos) + 1] if eos in row else row for row in out[:n, width:].tolist()]
     if not logprobs:
         return rows
     if recorder is None or not recorder.steps:  # not drawn by the recorder: `update` recomputes
@@ -1084,7 +1092,8 @@ def main(args: Args):
     model, tok = load_policy(args.model_name, env_id=args.env_id, tiny_preset=args.tiny_preset,
                              load_in_4bit=args.load_in_4bit, lora_r=args.lora_r,
                              lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                             activation_checkpointing=args.activation_checkpointing)
+                             activation_checkpointing=args.activation_checkpointing,
+                             static_cache=args.static_cache)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
                                   lr=args.learning_rate, betas=tuple(args.adam_betas),
                                   weight_decay=args.weight_decay)

@@ -73,8 +73,7 @@ class Args:
     output_dir: str = "runs"  # directory under which the run directory is created
     track: bool = False  # also log to TensorBoard (only if tensorboard is installed)
     save_model: bool = True  # save the LoRA adapter to <run>/adapter at checkpoints and at the end
-    checkpoint_every: Optional[int] = None
-    """save the adapter and checkpoint.pt every N iterations (0: at the end; None: RUN_SIZES)"""
+    checkpoint_every: Optional[int] = None  # checkpoint each N iterations (0: end); None: RUN_SIZES
     resume: Optional[str] = None  # a run dir to continue from its checkpoint.pt and config.json
     torch_threads: int = 0  # CPU threads for torch (0: leave torch's default)
 
@@ -86,16 +85,15 @@ class Args:
     lora_alpha: int = 32  # LoRA alpha
     lora_dropout: float = 0.0  # LoRA dropout
     activation_checkpointing: bool = False  # in the training forward (saves GPU memory)
-    max_new_tokens: Optional[int] = None
-    """most tokens per strategy; None: by model (PRESETS; the tiny recipe's budget)"""
+    static_cache: bool = False  # static KV cache in generate, compiled on CUDA (docs/gpu.md)
+    max_new_tokens: Optional[int] = None  # most tokens per strategy; None: PRESETS or tiny recipe
     temperature: float = 0.7  # strategist's sampling temperature in training (official: 0.7)
     eval_temperature: float = 0.7  # sampled evaluation's temperature (greedy is evaluated too)
 
     # environment
     env_id: Optional[str] = None  # negotiation, or single-agent with --agent base; None: RUN_SIZES
     history: Optional[int] = None  # past moves in the prompt; None: the env's or tiny recipe's
-    agent: Literal["rule", "base"] = "rule"
-    """frozen agent: 'rule' (the env's strategy-following rules) or 'base' (the base model)"""
+    agent: Literal["rule", "base"] = "rule"  # frozen agent: the env's rules or the base model
     agent_temperature: float = 0.0  # base agent's temperature (0: greedy; official action agent: 0)
     agent_max_new_tokens: Optional[int] = None  # most tokens per agent message; None: PRESETS
     train_opponent: Optional[str] = None  # 'self' (paper), 'rule:STYLE', 'rule:any'; None: PRESETS
@@ -107,8 +105,7 @@ class Args:
 
     # algorithm
     num_iterations: Optional[int] = None  # (the paper plateaus after about 5); None: RUN_SIZES
-    episodes_per_iteration: Optional[int] = None
-    """games per iteration (self-chat: 2 strategist trajectories per game); None: RUN_SIZES"""
+    episodes_per_iteration: Optional[int] = None  # games (self-chat: 2 trajectories); RUN_SIZES
     num_epochs: int = 3  # training epochs over each iteration's trajectories (official: 3)
     trajectories_per_step: int = 8  # trajectories per optimizer step (official: 1 x accumulation 8)
     micro_batch_size: Optional[int] = None  # turns (and LLM PRM prompts) per forward; None: PRESETS
@@ -117,18 +114,15 @@ class Args:
     weight_decay: float = 0.0  # AdamW weight decay (official: 0)
     max_grad_norm: float = 1.0  # gradient clipping norm (official: 1.0)
     gamma: float = 0.99  # γ of the turn returns (official: 0.99)
-    prm: Literal["rule", "llm", "none"] = "rule"
-    """process reward: 'rule' (top-k progress gains), 'llm' (the paper's prompt), 'none'"""
+    prm: Literal["rule", "llm", "none"] = "rule"  # rule: top-k progress gains; llm: paper's prompt
     prm_top_k: int = 2  # rule PRM: at most this many critical turns per trajectory
     prm_min_gain: float = 1e-6  # rule PRM: a turn is critical only if its progress gain > this
     prm_min_final: Optional[float] = None
     """rule PRM: no critical turn in a game ending below this progress; None: by model (PRESETS)"""
     prm_temperature: float = 0.7  # LLM PRM sampling temperature (official: 0.7)
     prm_max_new_tokens: Optional[int] = None  # LLM PRM answer length; None: by model (PRESETS)
-    weights: Literal["epo", "ones"] = "epo"
-    """'epo': PRM + outcome returns; 'ones': every own strategy weighted 1 (EPO-SFT ablation)"""
-    return_norm: Optional[Literal["trajectory", "batch"]] = None
-    """returns over the max |G| of each trajectory (official) or the batch; None: PRESETS"""
+    weights: Literal["epo", "ones"] = "epo"  # PRM + outcome returns, or all 1 (EPO-SFT ablation)
+    return_norm: Optional[Literal["trajectory", "batch"]] = None  # G/max|G| (official: trajectory)
 
 
 # The options left at None depend on the model; `resolve_args` fills them from here. "real": any
@@ -450,6 +444,13 @@ def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False, 
     with `logprobs`, also each row's token log-probs (None where not drawn by `SampledLogprobs`)."""
     if not prompt_ids:
         return ([], []) if logprobs else []
+    n = len(prompt_ids)
+    if getattr(model.generation_config, "cache_implementation", None) == "static":  # --static-cache
+        # a static cache is compiled once per batch size (on CUDA): pad to a power of two with
+        # copies of row 0, dropped below (sampled rows then draw other torch random numbers)
+        extra = (1 << (n - 1).bit_length()) - n
+        prompt_ids = list(prompt_ids) + [prompt_ids[0]] * extra
+        noise_keys = None if noise_keys is None else list(noise_keys) + [noise_keys[0]] * extra
     device = next(model.parameters()).device
     pad, eos = tok.pad_token_id, tok.eos_token_id
     width = max(len(p) for p in prompt_ids)
@@ -468,7 +469,7 @@ def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False, 
     with merged_lora(model):
         out = model.generate(input_ids=input_ids, attention_mask=attention, pad_token_id=pad,
                              eos_token_id=eos, max_new_tokens=max_new_tokens, **kw)
-    rows = [row[: row.index(eos) + 1] if eos in row else row for row in out[:, width:].tolist()]
+    rows = [row[: row.index(eos) + 1] if eos in row else row for row in out[:n, width:].tolist()]
     if not logprobs:
         return rows
     if recorder is None or not recorder.steps:  # not drawn by the recorder: `update` recomputes
@@ -500,10 +501,9 @@ def training_games(new_env, tasks, players, styles, args, rng):
 
 def rollout(model, tok, games, args, temperature, greedy=False, first_traj_id=0, real=False,
             noise_keys=None):
-    """Play the games (`envs.Seated`, reset) to the end together: per round one batched strategist
-    `generate`, then the agents' moves (rule, or one batched `generate`, adapter off). `noise_keys`
-    (evaluation), one per game: seat p's t-th strategy (and agent move) samples with the common
-    random numbers of (*key, p, t, 0) (and 1). Returns one Episode per (game, policy seat)."""
+    """Play the games (`envs.Seated`, reset) to the end: each round a batched strategist
+    `generate`, then the agents' moves (rule, or a batched `generate`, adapter off); with
+    `noise_keys` seat p's t-th strategy (agent move) uses `CommonNoise` of (*key, p, t, 0) (1)."""
     episodes = {}
     for g, game in enumerate(games):
         for p in [p for p in game.players if game.seats[p] == "policy"]:
@@ -561,9 +561,8 @@ def rollout(model, tok, games, args, temperature, greedy=False, first_traj_id=0,
 
 
 def compute_advantages(episodes, args, signal=None):
-    """Episodes in, one Sample per strategist turn out (its EPO weight in `adv`), and the credit
-    statistics. `signal`: the LLM PRM's critical marks, one per turn (`llm_prm`); None: the rule
-    PRM's (--prm rule) or none (--prm none). Each episode records its marks and weights."""
+    """Episodes in, one Sample per strategist turn out (its EPO weight in `adv`), credit stats.
+    `signal`: the LLM PRM's critical marks, one per turn; None: --prm rule or none."""
     turns = [(ep, t) for ep in episodes for t in range(ep.length)]
     if args.return_norm is None or args.prm_min_final is None:
         raise ValueError("--return-norm, --prm-min-final unresolved: call resolve_args first")
@@ -1116,6 +1115,7 @@ def main(args: Args):
                              load_in_4bit=args.load_in_4bit, lora_r=args.lora_r,
                              lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                              activation_checkpointing=args.activation_checkpointing,
+                             static_cache=args.static_cache,
                              tiny_overrides=strategist_overrides(args.env_id))
     params = [p for p in model.parameters() if p.requires_grad]
     run_dir, logger = start_run(args, {"env_kwargs": env_kwargs})

@@ -72,8 +72,7 @@ class Args:
     output_dir: str = "runs"  # directory under which the run directory is created
     track: bool = False  # also log to TensorBoard (only if tensorboard is installed)
     save_model: bool = True  # save the adapters (policy: <run>/adapter, PRM: <run>/adapter/prm)
-    checkpoint_every: Optional[int] = None
-    """save the adapters and checkpoint.pt every N iterations (0: at the end; None: RUN_SIZES)"""
+    checkpoint_every: Optional[int] = None  # checkpoint each N iterations (0: end); None: RUN_SIZES
     resume: Optional[str] = None  # a run dir to continue from its checkpoint.pt and config.json
     torch_threads: int = 0  # CPU threads for torch (0: leave torch's default)
 
@@ -85,6 +84,7 @@ class Args:
     lora_alpha: int = 32  # LoRA alpha of the policy and of the PRM adapter
     lora_dropout: float = 0.0  # LoRA dropout
     activation_checkpointing: bool = False  # in the training forward (saves GPU memory)
+    static_cache: bool = False  # static KV cache in generate, compiled on CUDA (docs/gpu.md)
     max_new_tokens: Optional[int] = None  # most tokens per turn (paper: 512); None: PRESETS
     temperature: float = 1.0  # sampling temperature of the rollouts (paper: 1.0)
     eval_temperature: float = 1.0  # sampled evaluation's temperature (paper: 0.4; greedy too)
@@ -127,10 +127,9 @@ class Args:
     adv_eps: float = 1e-6  # ε in (x - mean) / (std + ε)
 
 
-# Options left at None that depend on the model (`resolve_args`). "real": any pretrained model, the
-# official PRM settings (lr 2x the policy's, no replay; 8 turns per forward: 64 long prompts need
-# over 16 GB on a CPU). "tiny": its recipe's prompt options and token budget; the cheapest PRM
-# setting under which the PRM learns (docs/istar.md, "PRM settings on the tiny policy").
+# Options left at None that depend on the model (`resolve_args`). "real": the official PRM settings
+# (lr 2x the policy's, no replay), 8 turns a forward (64 long prompts need >16 GB on a CPU). "tiny":
+# its recipe's prompt options, the cheapest PRM setting that learns (docs/istar.md, "PRM settings").
 PRESETS = {"real": dict(learning_rate=1e-5, max_new_tokens=512, prm_replay=0, micro_batch_size=8),
            "tiny": dict(learning_rate=5e-4, prm_learning_rate=4e-3, prm_replay=4,
                         micro_batch_size=64)}
@@ -437,6 +436,13 @@ def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False, 
     with `logprobs`, also each row's token log-probs (None where not drawn by `SampledLogprobs`)."""
     if not prompt_ids:
         return ([], []) if logprobs else []
+    n = len(prompt_ids)
+    if getattr(model.generation_config, "cache_implementation", None) == "static":  # --static-cache
+        # a static cache is compiled once per batch size (on CUDA): pad to a power of two with
+        # copies of row 0, dropped below (sampled rows then draw other torch random numbers)
+        extra = (1 << (n - 1).bit_length()) - n
+        prompt_ids = list(prompt_ids) + [prompt_ids[0]] * extra
+        noise_keys = None if noise_keys is None else list(noise_keys) + [noise_keys[0]] * extra
     device = next(model.parameters()).device
     pad, eos = tok.pad_token_id, tok.eos_token_id
     width = max(len(p) for p in prompt_ids)
@@ -455,7 +461,7 @@ def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False, 
     with merged_lora(model):
         out = model.generate(input_ids=input_ids, attention_mask=attention, pad_token_id=pad,
                              eos_token_id=eos, max_new_tokens=max_new_tokens, **kw)
-    rows = [row[: row.index(eos) + 1] if eos in row else row for row in out[:, width:].tolist()]
+    rows = [row[: row.index(eos) + 1] if eos in row else row for row in out[:n, width:].tolist()]
     if not logprobs:
         return rows
     if recorder is None or not recorder.steps:  # not drawn by the recorder: `update` recomputes
@@ -466,9 +472,8 @@ def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False, 
 
 def rollout(model, tok, new_env, task_ids, group_ids, temperature, max_new_tokens, greedy=False,
             noise_keys=None):
-    """Play one episode per task id with the policy adapter, all envs stepped together: one batched
-    generate per turn. `noise_keys` (evaluation): one key per episode; turn t samples with the
-    common random numbers of (*key, t) (`CommonNoise`)."""
+    """One episode per task id (policy adapter), all envs stepped together, one batched generate a
+    turn. With `noise_keys` (evaluation) turn t samples with `CommonNoise` of (*key, t)."""
     envs_, episodes = [], []
     for i, (task, g) in enumerate(zip(task_ids, group_ids)):
         env = new_env()
@@ -508,12 +513,9 @@ def trajectory_outcomes(episodes, invalid_penalty, threshold=None):
 
 
 def compute_advantages(episodes, args, signal=None):
-    """Episodes in, one Sample per turn out with its advantage (the kernel, section 2), and two
-    credit statistics. `signal`: per turn, the PRM's token log-ratios log π_φ - log π_θold
-    (`prm_update`), or None without the PRM (--alpha 0: every step reward is 0, A = A_E).
-
-    With --step-reward-granularity token every token is its own step (Table 3 ablation): the kernel
-    gets one row per token, and each Sample one advantage per completion token."""
+    """Episodes in, one Sample per turn out with its advantage (section 2's kernel), credit stats.
+    `signal`: per turn, the PRM's token log-ratios log π_φ - log π_θold; None: --alpha 0, A = A_E.
+    --step-reward-granularity token (Table 3): one kernel row and one advantage per token."""
     outcomes, positive, _ = trajectory_outcomes(episodes, args.invalid_penalty,
                                                 args.positive_threshold)
     turns = [(i, ep, t) for i, ep in enumerate(episodes) for t in range(ep.length)]
@@ -583,14 +585,12 @@ def merge_batches(batches):
 
 
 def prm_update(model, tok, optimizer, samples, traj_success, traj_group, args, replay=()):
-    """The PRM's step (Alg. 1). It scores every step under the PRM as it is (Eq. 1: the log-ratios
-    that feed the advantages), then takes `--prm-updates-per-iteration` optimizer steps on the
-    trajectory-DPO loss (Eq. 2) of this batch's pairs and of the paired batches in `replay` (earlier
-    iterations'). samples: one per turn, with π_θold's log-probs in `old`. Each step takes two
-    passes (docs/istar.md, "Implementation details" 4): g_s = dL/dr_s on the step rewards without
-    graph, then a re-forward of the paired steps that backpropagates Σ_s g_s r_s. Returns
-    (log-ratios per sample, their step rewards [S], stats: this batch's pairs, their DPO loss
-    before the step and the PRM's gradient norm, this batch's `paired_batch` for later replay)."""
+    """The PRM's step (Alg. 1): score every step under the PRM as it is (Eq. 1, the log-ratios that
+    feed the advantages), then `--prm-updates-per-iteration` optimizer steps on the trajectory-DPO
+    loss (Eq. 2) of this batch's pairs and of `replay` (earlier iterations' paired batches), each in
+    two passes (docs/istar.md, "Implementation details" 4): g_s = dL/dr_s without graph, then a
+    re-forward of the paired steps backpropagating Σ_s g_s r_s. Returns (log-ratios per sample,
+    step rewards [S], stats, this batch's `paired_batch`)."""
     device = next(model.parameters()).device
     log_ratios = prm_log_ratios(model, tok, samples, args)
     step_rewards = implicit_turn_rewards(log_ratios, args.beta)  # Eq. 1
@@ -849,9 +849,8 @@ def write_summary(run_dir, args, wall_seconds, first_eval, last_eval, metric, **
 
 
 def step_reward_record(episodes, step_rewards, positive):
-    """samples.jsonl: the PRM's step rewards before its update (Eq. 1), each step's trajectory and
-    env input ("" where invalid), the trajectories' labels, groups and tasks; from them
-    benchmarks/istar_prm_stats.py measures the PRM (pair accuracy, step rewards vs progress)."""
+    """samples.jsonl: the PRM's step rewards before its update (Eq. 1) with each step's trajectory
+    and env input, for benchmarks/istar_prm_stats.py (pair accuracy, step rewards vs progress)."""
     return {"tag": "train_step_rewards", "step_reward": step_rewards.double().tolist(),
             "traj": [ep.traj_id for ep in episodes for _ in range(ep.length)],
             "action": [a if not bad else "" for ep in episodes
@@ -1109,7 +1108,7 @@ def main(args: Args):
 
     lora = dict(lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout)
     model, tok = load_policy(args.model_name, env_id=args.env_id, tiny_preset=args.tiny_preset,
-                             load_in_4bit=args.load_in_4bit, **lora,
+                             load_in_4bit=args.load_in_4bit, **lora, static_cache=args.static_cache,
                              activation_checkpointing=args.activation_checkpointing)
     add_adapter(model, "prm", **lora)  # the PRM π_φ: a second LoRA adapter on the same base model
     model.set_adapter("default")

@@ -1,12 +1,15 @@
 """GPU check of the model path every method uses (common/models.py), at real sizes: 4-bit nf4 + LoRA on CUDA,
 and all five scripts on it.
 
-Stages (default: all three, in this order, for each `--configs` entry):
+Stages (default: all four, in this order, for each `--configs` entry):
 - `step`: load through `common.models.load_policy`, a batched sampled `generate` forced to its full length
   (`min_new_tokens`: the worst case of a rollout; tokens per second), one training step on the LoRA
   (forward with `logits_to_keep`, backward, AdamW: seconds and peak memory), and checks that only LoRA
   parameters get gradients, that they are finite, and that `disable_adapter()` gives the base model's
   logits after the step. On CUDA: 4-bit, 4-bit with activation checkpointing, and bf16.
+- `generate`: the method files' `generate` with the plain dynamic KV cache and with `--static-cache` (a static
+  cache that transformers compiles on CUDA), bf16 and 4-bit on CUDA: seconds of the first call (compilation),
+  tokens per second and ms per decoding step of the later calls, and whether greedy tokens agree.
 - `scripts`: each of the five scripts as a subprocess, 4-bit, one iteration on its default env with the
   budget of `benchmarks/real_model.py timing` (`TIMING_COMMON` + `TIMING_ARGS`), so that its rows compare
   with the CPU rows of docs/real_model.md; seconds per phase, tokens per second and peak GPU memory are
@@ -180,6 +183,44 @@ def check(path: Path, load_in_4bit: bool, activation_checkpointing: bool, batch:
     return row
 
 
+def time_generate(path: Path, load_in_4bit: bool, static: bool, batch: int, prompt_len: int, new_tokens: int,
+                  device: str, repeats: int) -> tuple[dict, list]:
+    """The method files' own `generate` (graphgpo's copy; the same text in all five) with the plain dynamic
+    cache or `--static-cache`, sampled at temperature 1 on `batch` random prompts: the first call (where
+    transformers compiles the static cache's decoding step on CUDA), the median of `repeats` later calls, and a
+    5-row call (padded to 8 rows under `--static-cache`: a second compiled shape). Returns the row and the
+    greedy completions of the first 8 prompts, to compare the two caches."""
+    import graphgpo as g
+    from common.models import load_policy
+
+    model, tok = load_policy(str(path), load_in_4bit=load_in_4bit, device=device, static_cache=static)
+    model.eval()
+    prompts = torch.randint(5, 300, (batch, prompt_len), generator=torch.Generator().manual_seed(0)).tolist()
+    seconds, tokens, steps = [], 0, 0
+    for i in range(1 + repeats):
+        torch.manual_seed(i)
+        sync()
+        t0 = time.time()
+        rows = g.generate(model, tok, prompts, 1.0, new_tokens)
+        sync()
+        seconds.append(time.time() - t0)
+        if i:
+            tokens, steps = tokens + sum(map(len, rows)), steps + max(map(len, rows))
+    sync()
+    t0 = time.time()
+    g.generate(model, tok, prompts[:5], 1.0, new_tokens)
+    sync()
+    five = time.time() - t0
+    greedy = g.generate(model, tok, prompts[:8], 1.0, min(new_tokens, 32), greedy=True)
+    timed = sorted(seconds[1:])
+    row = dict(load_in_4bit=load_in_4bit, cache="static" if static else "dynamic",
+               first_call_s=round(seconds[0], 2), call_s=round(timed[len(timed) // 2], 2),
+               tokens_per_s=round(tokens / sum(seconds[1:]), 1), ms_per_step=round(1000 * sum(seconds[1:]) / steps, 1),
+               five_rows_s=round(five, 2))
+    del model
+    return row, greedy
+
+
 def environment() -> dict:
     """The card and the library versions every record carries."""
     import bitsandbytes
@@ -200,6 +241,23 @@ def stage_step(config, model_dir, info, env, args):
         real_model.append({"kind": "step", "config": config, **info, **env, "batch": args.batch,
                            "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, **row}, Path(args.results))
         print(json.dumps(row), flush=True)
+
+
+def stage_generate(config, model_dir, info, env, args):
+    for q in sorted({q for q, _ in STEP_SETTINGS["cuda" if args.device == "cuda" else "cpu"]}):
+        plain = None
+        for static in (False, True):
+            print(f"[generate] {config}: load_in_4bit={q} static_cache={static} ...", flush=True)
+            row, greedy = time_generate(model_dir, q, static, args.batch, args.prompt_len, args.new_tokens,
+                                        args.device, args.repeats)
+            if plain is None:
+                plain = greedy
+            else:
+                row["greedy_rows_equal"] = f"{sum(a == b for a, b in zip(plain, greedy))}/{len(greedy)}"
+            real_model.append({"kind": "generate", "config": config, **info, **env, "batch": args.batch,
+                               "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, **row},
+                              Path(args.results))
+            print(json.dumps(row), flush=True)
 
 
 def stage_scripts(config, model_dir, info, env, args, deadline):
@@ -283,6 +341,29 @@ def render_report(records) -> str:
                 f"{r['train_step_s']} | {r['train_peak_gib']} | {r['only_lora_trainable']} | {r['lora_grads_finite']} | "
                 f"{r['frozen_without_grad']} | {r['disable_adapter_max_abs_diff_to_base']:.2e} |")
         lines.append("")
+    gens = real_model.latest(records, "generate", lambda r: (r["config"], r["load_in_4bit"], r["cache"]))
+    lines += ["## Fast generation (`--stages generate`)", ""]
+    if not gens:
+        lines += ["Not measured yet: `--static-cache` is built and tested on a CPU (tests/test_shared_blocks.py: the "
+                  "same tokens as the dynamic cache, any batch size), where transformers does not compile it. "
+                  "`python benchmarks/gpu_check.py --stages generate report` on a CUDA machine fills this table.", ""]
+    else:
+        r0 = next(iter(gens.values()))
+        lines += [f"The method files' `generate` (sampled, temperature 1) on {r0['batch']} random prompts of "
+                  f"{r0['prompt_len']} tokens, up to {r0['new_tokens']} new tokens: the plain dynamic KV cache and "
+                  "`--static-cache` (a static cache, whose decoding step transformers compiles on CUDA; the batch "
+                  "padded to a power of two). First call: includes compilation; per call: the median of the later "
+                  "calls; 5 rows: one call on 5 prompts (8 rows compiled once more under the static cache); greedy "
+                  "rows equal: of 8 greedy completions, how many are the dynamic cache's tokens.", "",
+                  "| model | weights | cache | first call s | s per call | tokens/s | ms per decoding step | "
+                  "speed-up | 5 rows s | greedy rows equal |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for (cfg, q, cache), r in gens.items():
+            base = gens.get((cfg, q, "dynamic"))
+            speed = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "–"
+            lines.append(f"| {cfg} | {'4-bit nf4' if q else 'bf16'} | {cache} | {r['first_call_s']} | {r['call_s']} | "
+                         f"{r['tokens_per_s']} | {r['ms_per_step']} | {speed} | {r['five_rows_s']} | "
+                         f"{r.get('greedy_rows_equal', '–')} |")
+        lines.append("")
     scripts = real_model.latest(records, "script", lambda r: (r["config"], r["script"]))
     if scripts:
         cpu = cpu_iteration_seconds()
@@ -320,7 +401,8 @@ def render_report(records) -> str:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--stages", nargs="+", default=["step", "scripts", "report"], choices=["step", "scripts", "report"])
+    ap.add_argument("--stages", nargs="+", default=["step", "generate", "scripts", "report"],
+                    choices=["step", "generate", "scripts", "report"])
     ap.add_argument("--configs", nargs="+", default=["smollm2-135m", "qwen2.5-1.5b"], choices=sorted(CONFIGS))
     ap.add_argument("--tokenizer", default=None,
                     help="a directory with SmolLM2's tokenizer (default: the packaged smollm2-135m, fetched once)")
@@ -328,6 +410,7 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, default=32, help="step: sequences per generate call and per training step")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=2, help="generate: timed calls after the first")
     ap.add_argument("--threads", type=int, default=4, help="scripts: torch threads of each subprocess")
     ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     ap.add_argument("--time-budget", type=float, default=0,
@@ -344,7 +427,7 @@ def main(argv=None) -> None:
     if unknown:
         raise SystemExit(f"--scripts: unknown {unknown}; choose from {list(real_model.SCRIPTS)}")
     deadline = time.time() + args.time_budget if args.time_budget > 0 else float("inf")
-    if {"step", "scripts"} & set(args.stages):
+    if {"step", "generate", "scripts"} & set(args.stages):
         if args.tokenizer is None:
             from common.models import ensure_packaged_model
 
@@ -360,6 +443,8 @@ def main(argv=None) -> None:
                 print(f"{config}: {info}", flush=True)
                 if "step" in args.stages:
                     stage_step(config, Path(tmp), info, env, args)
+                if "generate" in args.stages:
+                    stage_generate(config, Path(tmp), info, env, args)
                 if "scripts" in args.stages:
                     stage_scripts(config, Path(tmp), info, env, args, deadline)
     if "report" in args.stages:

@@ -629,7 +629,7 @@ def load_policy(model_name_or_path: str, env_id: Optional[str] = None, tiny_pres
                 load_in_4bit: Optional[bool] = None, lora_r: int = 16, lora_alpha: float = 32,
                 lora_dropout: float = 0.0, target_modules: Union[str, Sequence[str]] = "all-linear",
                 activation_checkpointing: bool = False, adapter_name: str = "default", device=None,
-                tiny_overrides: Optional[dict] = None):
+                tiny_overrides: Optional[dict] = None, static_cache: bool = False):
     """Load a causal LM with one trainable LoRA adapter, and its tokenizer (see the module docstring).
 
     Args:
@@ -643,6 +643,9 @@ def load_policy(model_name_or_path: str, env_id: Optional[str] = None, tiny_pres
         lora_r, lora_alpha, lora_dropout, target_modules: the LoRA adapter ("all-linear" = every linear
             layer except the output head).
         activation_checkpointing: recompute activations in the backward pass (non-reentrant).
+        static_cache: `generate` uses a static KV cache (`generation_config.cache_implementation`),
+            which transformers compiles on CUDA; the method files pad the batch to a power of two so
+            that a few batch sizes are compiled (docs/gpu.md, "Fast generation").
         adapter_name: name of the trainable adapter.
         device: "cuda", "cpu", ... (default: cuda when available).
 
@@ -656,9 +659,12 @@ def load_policy(model_name_or_path: str, env_id: Optional[str] = None, tiny_pres
     dev = _resolve_device(device)
     use_4bit = (dev.type == "cuda") if load_in_4bit is None else bool(load_in_4bit)
     with _without_bitsandbytes(not use_4bit):
-        return _load_policy(model_name_or_path, env_id, tiny_preset, use_4bit, lora_r, lora_alpha,
-                            lora_dropout, target_modules, activation_checkpointing, adapter_name, dev,
-                            tiny_overrides)
+        model, tok = _load_policy(model_name_or_path, env_id, tiny_preset, use_4bit, lora_r, lora_alpha,
+                                  lora_dropout, target_modules, activation_checkpointing, adapter_name, dev,
+                                  tiny_overrides)
+    if static_cache:
+        model.get_base_model().generation_config.cache_implementation = "static"
+    return model, tok
 
 
 @contextlib.contextmanager

@@ -74,7 +74,7 @@ FLAGS = {
     "graphgpo.py": [
         "exp_name", "seed", "output_dir", "track", "save_model", "checkpoint_every", "resume", "torch_threads",
         "model_name", "tiny_preset", "load_in_4bit", "lora_r", "lora_alpha", "lora_dropout",
-        "activation_checkpointing", "max_new_tokens", "temperature", "eval_temperature", "env_id", "history",
+        "activation_checkpointing", "static_cache", "max_new_tokens", "temperature", "eval_temperature", "env_id", "history",
         "max_turns", "eval_num_tasks", "eval_k", "eval_every", "num_logged_episodes", "num_iterations",
         "tasks_per_iteration", "group_size", "learning_rate", "weight_decay", "max_grad_norm",
         "num_minibatches", "micro_batch_size", "step_advantage", "state_match", "similarity_threshold", "omega",
@@ -83,7 +83,7 @@ FLAGS = {
     "istar.py": [
         "exp_name", "seed", "output_dir", "track", "save_model", "checkpoint_every", "resume", "torch_threads",
         "model_name", "tiny_preset", "load_in_4bit", "lora_r", "lora_alpha", "lora_dropout",
-        "activation_checkpointing", "max_new_tokens", "temperature", "eval_temperature", "env_id", "history",
+        "activation_checkpointing", "static_cache", "max_new_tokens", "temperature", "eval_temperature", "env_id", "history",
         "max_turns", "sokoban_reward", "opponent", "eval_num_tasks", "eval_every", "num_logged_episodes",
         "num_iterations", "tasks_per_iteration", "group_size", "learning_rate", "prm_learning_rate",
         "weight_decay", "max_grad_norm", "prm_max_grad_norm", "num_minibatches", "micro_batch_size", "beta",
@@ -93,7 +93,7 @@ FLAGS = {
     "delta_belief.py": [
         "exp_name", "seed", "output_dir", "track", "save_model", "checkpoint_every", "resume", "torch_threads",
         "model_name", "tiny_preset", "load_in_4bit", "lora_r", "lora_alpha", "lora_dropout",
-        "activation_checkpointing", "max_new_tokens", "temperature", "eval_temperature", "env_id", "history",
+        "activation_checkpointing", "static_cache", "max_new_tokens", "temperature", "eval_temperature", "env_id", "history",
         "max_turns", "eval_env_id", "eval_max_turns", "eval_num_tasks", "eval_k", "eval_every",
         "eval_best_of_n", "num_logged_episodes", "reward_mode", "num_iterations", "tasks_per_iteration",
         "group_size", "learning_rate", "adam_betas", "weight_decay", "max_grad_norm", "num_minibatches",
@@ -102,7 +102,7 @@ FLAGS = {
     "aria.py": [
         "exp_name", "seed", "output_dir", "track", "save_model", "checkpoint_every", "resume", "torch_threads",
         "model_name", "tiny_preset", "load_in_4bit", "lora_r", "lora_alpha", "lora_dropout",
-        "activation_checkpointing", "max_new_tokens", "temperature", "eval_temperature", "env_id", "history",
+        "activation_checkpointing", "static_cache", "max_new_tokens", "temperature", "eval_temperature", "env_id", "history",
         "max_turns", "game_reward", "eval_num_tasks", "eval_k", "eval_opponents", "eval_every",
         "num_logged_episodes", "aggregate", "num_iterations", "games_per_iteration", "num_epochs", "batch_size",
         "micro_batch_size", "learning_rate", "max_grad_norm", "gamma", "embedder", "embed_dim", "linkage",
@@ -110,7 +110,7 @@ FLAGS = {
     "epo.py": [
         "exp_name", "seed", "output_dir", "track", "save_model", "checkpoint_every", "resume", "torch_threads",
         "model_name", "tiny_preset", "load_in_4bit", "lora_r", "lora_alpha", "lora_dropout",
-        "activation_checkpointing", "max_new_tokens", "temperature", "eval_temperature", "env_id", "history",
+        "activation_checkpointing", "static_cache", "max_new_tokens", "temperature", "eval_temperature", "env_id", "history",
         "agent", "agent_temperature", "agent_max_new_tokens", "train_opponent", "eval_num_tasks",
         "eval_opponents", "eval_every", "eval_selfplay", "num_logged_episodes", "num_iterations",
         "episodes_per_iteration", "num_epochs", "trajectories_per_step", "micro_batch_size", "learning_rate",

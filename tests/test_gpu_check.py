@@ -56,6 +56,34 @@ def test_step_stage_on_cpu_records_lora_only_gradients(gc, random_llama_dir, tmp
     assert "| test | " in report.read_text()
 
 
+def test_generate_stage_on_cpu_compares_the_two_caches(gc, random_llama_dir, tmp_path):
+    results, report = tmp_path / "gpu.jsonl", tmp_path / "gpu.md"
+    gc.main(["--stages", "generate", "report", "--configs", "test", "--device", "cpu", "--tokenizer",
+             str(random_llama_dir), "--batch", "3", "--prompt-len", "8", "--new-tokens", "4", "--repeats", "1",
+             "--results", str(results), "--report-path", str(report)])
+    plain, static = [json.loads(x) for x in results.read_text().splitlines()]
+    assert (plain["cache"], static["cache"]) == ("dynamic", "static") and not plain["load_in_4bit"]
+    assert static["greedy_rows_equal"] == "3/3" and "greedy_rows_equal" not in plain  # same tokens on a CPU
+    assert plain["tokens_per_s"] > 0 and static["ms_per_step"] > 0
+    text = report.read_text()
+    assert "## Fast generation" in text and "| test | bf16 | static |" in text
+
+
+def test_generate_report_speed_up_by_hand(gc):
+    rec = {**ENV, "kind": "generate", "config": "smollm2-135m", "batch": 32, "prompt_len": 512, "new_tokens": 128,
+           "load_in_4bit": False, "first_call_s": 9.0, "call_s": 6.4, "tokens_per_s": 640.0, "ms_per_step": 50.0,
+           "five_rows_s": 5.0}
+    fast = {**rec, "cache": "static", "first_call_s": 60.0, "call_s": 2.0, "tokens_per_s": 2048.0,
+            "ms_per_step": 15.6, "greedy_rows_equal": "7/8"}
+    text = gc.render_report([{**rec, "cache": "dynamic"}, fast])
+    # 2048 / 640 = 3.2x
+    assert "| smollm2-135m | bf16 | static | 60.0 | 2.0 | 2048.0 | 15.6 | 3.20x | 5.0 | 7/8 |" in text
+    assert "| smollm2-135m | bf16 | dynamic | 9.0 | 6.4 | 640.0 | 50.0 | 1.00x | 5.0 | – |" in text
+    failed = {**ENV, "kind": "script", "config": "c", "script": "graphgpo.py", "failed": True, "exit_code": 1,
+              "log_tail": "x", "threads": 1}
+    assert "Not measured yet" in gc.render_report([failed])
+
+
 def test_unknown_script_is_one_line(gc):
     with pytest.raises(SystemExit, match="--scripts: unknown"):
         gc.main(["--stages", "report", "--scripts", "nope.py"])

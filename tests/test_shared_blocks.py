@@ -237,3 +237,39 @@ def test_merged_lora_samples_the_adapter_and_restores_the_weights_exactly(random
         if hasattr(m, "lora_A"):
             m.lora_B["default"].weight.data.zero_()  # the adapter made a no-op: the base model
     assert g.generate(model, tok, prompts, 1.0, 8, greedy=True) == base_rows
+
+
+def test_static_cache_generates_the_same_tokens_for_any_batch_size(random_llama_dir):
+    """`--static-cache` (`load_policy(static_cache=True)`): generate pads the batch to a power of two
+    (5 rows -> 8) so that a compiled static cache sees few shapes, and returns only the real rows: the
+    same greedy and common-noise completions as the dynamic cache, and sampled log-probs that a
+    separate forward reproduces. On a CPU transformers does not compile; the cache itself is what runs."""
+    import graphgpo as g
+    from common.models import load_policy
+
+    model, tok = _policy_with_a_trained_looking_adapter(random_llama_dir)
+    fast, _ = load_policy(str(random_llama_dir), load_in_4bit=False, lora_r=4, lora_alpha=8, device="cpu",
+                          static_cache=True)
+    fast.load_state_dict(model.state_dict())
+    fast.eval()
+    assert fast.generation_config.cache_implementation == "static"
+    assert model.generation_config.cache_implementation is None
+    texts = ["push the box up", "is it an animal?", "left right", "#P_B#", "up"]
+    prompts = [g.encode(tok, t) for t in texts]
+    shapes = []
+    hook = fast.get_base_model().model.embed_tokens.register_forward_hook(
+        lambda mod, inp, out: shapes.append(tuple(inp[0].shape)))
+    greedy = g.generate(fast, tok, prompts, 1.0, 7, greedy=True)
+    hook.remove()
+    assert len(greedy) == 5 and {s[0] for s in shapes} == {8}  # padded to 8 rows, 5 returned
+    assert greedy == g.generate(model, tok, prompts, 1.0, 7, greedy=True)
+    keys = [(2, 0, i) for i in range(5)]
+    assert (g.generate(fast, tok, prompts, 1.0, 7, noise_keys=keys)
+            == g.generate(model, tok, prompts, 1.0, 7, noise_keys=keys))
+    assert g.generate(fast, tok, prompts[:4], 1.0, 7, greedy=True) == greedy[:4]  # a power of two: as is
+    torch.manual_seed(5)
+    rows, kept = g.generate(fast, tok, prompts, 0.7, 7, logprobs=True)
+    lp, _ = g.completion_logprobs(model, tok, prompts, rows, temperature=0.7)
+    assert len(rows) == len(kept) == 5
+    for b, r in enumerate(rows):
+        assert kept[b].shape == (len(r),) and torch.allclose(kept[b], lp[b, lp.shape[1] - len(r):], atol=1e-5)
