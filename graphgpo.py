@@ -239,7 +239,7 @@ def _graph_rewards(episodes, success, omega, r_succ, invalid, invalid_penalty, n
 
 
 def graph_step_advantages(episodes, success, omega, r_succ=10.0, eps=1e-6, invalid=None,
-                          invalid_penalty=0.1, node_of=None, return_stats=False, step_cost=1.0):
+                          invalid_penalty=0.1, node_of=None, step_cost=1.0):
     """GraphGPO step advantages of one group (Eq. 4-6).
 
         R_t = r_succ * omega^(d(s_{t+1}) + c) - invalid_penalty * invalid_t   (c = step_cost, 1)
@@ -247,8 +247,7 @@ def graph_step_advantages(episodes, success, omega, r_succ=10.0, eps=1e-6, inval
 
     episodes[m] = [s_1, ..., s_{T+1}]; a successful trajectory's last state becomes the goal node.
     Step groups use the exact keys; `node_of` ({key: node}, fuzzy matching) changes the graph nodes
-    only. Returns one float64 array of length T per trajectory (with `return_stats` also
-    `graph_stats`, for callers of the earlier interface).
+    only. Returns one float64 array of length T per trajectory.
     """
     if len(episodes) != len(success):
         raise ValueError(f"{len(episodes)} episodes but {len(success)} success flags")
@@ -256,11 +255,7 @@ def graph_step_advantages(episodes, success, omega, r_succ=10.0, eps=1e-6, inval
     _, _, sources, R = _graph_rewards(episodes, success, omega, r_succ, invalid, invalid_penalty,
                                       node_of, step_cost)
     lengths = [max(len(e) - 1, 0) for e in episodes]
-    adv = _split(normalise_in_groups(R, sources, eps), lengths)  # Eq. 5-6
-    if return_stats:
-        return adv, graph_stats(episodes, success, omega, r_succ, invalid, invalid_penalty, node_of,
-                                step_cost)
-    return adv
+    return _split(normalise_in_groups(R, sources, eps), lengths)  # Eq. 5-6
 
 
 def graph_stats(episodes, success, omega, r_succ=10.0, invalid=None, invalid_penalty=0.1,

@@ -92,7 +92,7 @@ def test_graph_step_advantages_hand_computed():
 
 
 def test_graph_step_advantages_stats():
-    _, st = gg.graph_step_advantages([TAU0, TAU1], [True, False], omega=0.5, return_stats=True)
+    st = gg.graph_stats([TAU0, TAU1], [True, False], omega=0.5)
     # nodes A B C D E F goal = 7; distinct edges: A-B B-C C-B B-D D-G A-E E-B B-F = 8
     # mean distance over the 6 non-goal nodes (3 + 2 + 3 + 1 + 3 + 4) / 6 = 16 / 6
     # 8 steps; singleton-group steps: C, D, E -> 3
