@@ -665,18 +665,26 @@ def _padded(samples, key, C, device):
     return torch.stack([F.pad(r, (C - len(r), 0)) for r in rows])
 
 
+def seq_len(sample) -> int:
+    """Prompt plus completion tokens: micro-batches of similar lengths pad little (a turn's prompt
+    holds the game so far, so a random micro-batch of 64 turns is about half padding)."""
+    return len(sample.prompt) + len(sample.completion)
+
+
 @torch.no_grad()
 def token_logprobs(model, tok, samples, adapter, micro_batch_size, temperature=1.0):
     """Per-sample token log-prob vectors under the policy (adapter "default") or, with adapter None,
-    under the reference policy (the adapter disabled: the base model); eval mode, no gradient."""
+    the reference policy (adapter disabled); eval mode, no gradient, length-sorted micro-batches."""
     model.eval()
-    out = []
-    for s in range(0, len(samples), micro_batch_size):
-        chunk = samples[s:s + micro_batch_size]
+    out = [None] * len(samples)
+    order = sorted(range(len(samples)), key=lambda i: seq_len(samples[i]))  # little padding
+    for s in range(0, len(order), micro_batch_size):
+        chunk = [samples[i] for i in order[s:s + micro_batch_size]]
         with model.disable_adapter() if adapter is None else contextlib.nullcontext():
             lp, _ = completion_logprobs(model, tok, [x.prompt for x in chunk],
                                         [x.completion for x in chunk], temperature=temperature)
-        out += [lp[j, lp.shape[1] - len(x.completion):].float().cpu() for j, x in enumerate(chunk)]
+        for j, (i, x) in enumerate(zip(order[s:s + micro_batch_size], chunk)):
+            out[i] = lp[j, lp.shape[1] - len(x.completion):].float().cpu()
     return out
 
 
@@ -725,7 +733,9 @@ def update(model, tok, optimizer, samples, args, rng):
                              "grad_norm")}
     order = rng.permutation(len(samples))
     for minibatch_idx in np.array_split(order, max(1, args.num_minibatches)):
-        minibatch = [samples[i] for i in minibatch_idx]
+        # sorted by length: the minibatch's loss is a sum over its micro-batches, so the order
+        # changes no gradient, only how much padding each micro-batch's forward pays for
+        minibatch = sorted((samples[i] for i in minibatch_idx), key=seq_len)
         if not minibatch:
             continue
         ntok = sum(len(x.completion) for x in minibatch)
