@@ -437,8 +437,8 @@ def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False, 
     if not prompt_ids:
         return ([], []) if logprobs else []
     n = len(prompt_ids)
-    if getattr(model.generation_config, "cache_implementation", None) == "static":  # --static-cache
-        # a static cache is compiled once per batch size (on CUDA): pad to a power of two with
+    if getattr(getattr(model, "generation_config", None), "cache_implementation", None) == "static":
+        # --static-cache compiles once per batch size (on CUDA): pad to a power of two with
         # copies of row 0, dropped below (sampled rows then draw other torch random numbers)
         extra = (1 << (n - 1).bit_length()) - n
         prompt_ids = list(prompt_ids) + [prompt_ids[0]] * extra
