@@ -670,7 +670,7 @@ def _padded(samples, key, C, device):
 
 def seq_len(sample) -> int:
     """Prompt plus completion tokens: micro-batches of similar lengths pad little (a turn's prompt
-    holds the game so far, so a random micro-batch of 64 turns is about half padding)."""
+    grows with the history it shows, so a random micro-batch pads to its longest turn)."""
     return len(sample.prompt) + len(sample.completion)
 
 

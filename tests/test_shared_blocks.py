@@ -19,7 +19,7 @@ SHARED = ["Sample", "render_prompt", "encode", "completion_text", "CommonNoise",
           "mean_se", "Logger", "start_run", "eval_line", "write_summary", "seed_everything", "fill_defaults",
           "run_size",
           "resumed_args", "save_checkpoint", "load_checkpoint"]
-SHARED_WHERE_DEFINED = ["save_adapter", "_padded"]
+SHARED_WHERE_DEFINED = ["save_adapter", "_padded", "seq_len"]
 
 
 @functools.lru_cache(maxsize=None)  # one parse per file for the whole module (get_source_segment is slow)
