@@ -206,6 +206,14 @@ def bootstrap_ci(stat: Callable, credit, a_star, clusters, reps: int = 1000, see
     """`stat(credit, a_star)` and its percentile bootstrap interval, resampling whole clusters (the
     episodes: the turns of one episode are not independent). With `by_cluster` the statistic is
     `stat(credit, a_star, clusters)`, and a cluster drawn twice counts as two clusters."""
+    value, vals = bootstrap_draws(stat, credit, a_star, clusters, reps, seed, by_cluster)
+    lo, hi = (np.quantile(vals, [(1 - level) / 2, (1 + level) / 2]) if len(vals) else (float("nan"),) * 2)
+    return value, float(lo), float(hi)
+
+
+def bootstrap_draws(stat: Callable, credit, a_star, clusters, reps: int = 1000, seed: int = 0,
+                    by_cluster: bool = False) -> tuple[float, np.ndarray]:
+    """`stat` on the data and its finite values on `reps` cluster-bootstrap resamples (see `bootstrap_ci`)."""
     c, a, g = np.asarray(credit, float), np.asarray(a_star, float), np.asarray(clusters)
     ids = np.unique(g)
     rows = [np.flatnonzero(g == i) for i in ids]
@@ -220,8 +228,38 @@ def bootstrap_ci(stat: Callable, credit, a_star, clusters, reps: int = 1000, see
             v = stat(c[take], a[take])
         if math.isfinite(v):
             vals.append(v)
-    lo, hi = (np.quantile(vals, [(1 - level) / 2, (1 + level) / 2]) if vals else (float("nan"),) * 2)
-    return (stat(c, a, g) if by_cluster else stat(c, a)), float(lo), float(hi)
+    return (stat(c, a, g) if by_cluster else stat(c, a)), np.asarray(vals, float)
+
+
+def pool_seeds(estimates, variances, level: float = 0.95, bounds=(-math.inf, math.inf)) -> dict:
+    """One statistic measured on several seeds (each with its episode-bootstrap variance) pooled with a
+    random-effects model, so that the interval includes the seed-to-seed spread: DerSimonian-Laird's
+    between-seed variance tau^2, weights 1 / (v_i + tau^2), and the Hartung-Knapp interval (t with k - 1
+    degrees of freedom, its variance factor at least 1) that stays honest with 2-5 seeds. Non-finite
+    estimates are left out; one seed gives its own normal interval. The interval is cut to `bounds`, the
+    values the statistic can take (a correlation's [-1, 1])."""
+    from scipy.stats import norm, t as student_t
+
+    th, v = np.asarray(estimates, float), np.asarray(variances, float)
+    keep = np.isfinite(th) & np.isfinite(v)
+    th, v = th[keep], np.maximum(v[keep], 1e-12)
+    k = len(th)
+    if k == 0:
+        return {"value": float("nan"), "ci": [float("nan")] * 2, "tau": float("nan"), "seeds": 0}
+    if k == 1:
+        half = norm.ppf((1 + level) / 2) * math.sqrt(v[0])
+        return {"value": float(th[0]), "ci": [float(max(bounds[0], th[0] - half)),
+                                              float(min(bounds[1], th[0] + half))], "tau": float("nan"), "seeds": 1}
+    w = 1 / v
+    fixed = np.sum(w * th) / w.sum()
+    q = np.sum(w * (th - fixed) ** 2)
+    tau2 = max(0.0, (q - (k - 1)) / (w.sum() - np.sum(w ** 2) / w.sum()))
+    w = 1 / (v + tau2)
+    value = float(np.sum(w * th) / w.sum())
+    se = math.sqrt(max(1.0, np.sum(w * (th - value) ** 2) / (k - 1)) / w.sum())
+    half = student_t.ppf((1 + level) / 2, k - 1) * se
+    return {"value": value, "ci": [float(max(bounds[0], value - half)), float(min(bounds[1], value + half))],
+            "tau": math.sqrt(tau2), "seeds": k}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -745,6 +783,7 @@ DEFAULTS = {
     "epo": Config(tasks=8, group=8, n=32, turns=80),
 }
 REPORT_BEGIN, REPORT_END = "<!-- credit-quality:begin -->", "<!-- credit-quality:end -->"
+POOLED_BEGIN, POOLED_END = "<!-- credit-quality-pooled:begin -->", "<!-- credit-quality-pooled:end -->"
 
 
 def _bucket(method: str, row: dict) -> str:
@@ -806,6 +845,76 @@ def summarize(result: dict, reps: int = 1000) -> dict:
                                             traj[m], reps // 5, seed) for lab in result["labels"]}
         out["by_success"][b]["_reliability"] = reliability(a[m], se[m])
     return out
+
+
+def pooled_summary(datas: Sequence[dict], reps: int = 1000) -> dict:
+    """The results of several seeds (one `--out` file each) pooled per method and env that two or more
+    of them measured: per seed each credit's Spearman ρ, AUC and within-episode ρ, and the method minus
+    each baseline, with their episode-bootstrap variances, pooled by `pool_seeds`."""
+    stats = (("spearman", spearman, False), ("auc", auc, False), ("within", within_episode_spearman, True))
+    bounds = {"spearman": (-1, 1), "auc": (0, 1), "within": (-1, 1)}  # a difference of two: twice the width
+    keys = [k for k in dict.fromkeys(k for d in datas for k in d["results"])
+            if sum(k in d["results"] for d in datas) > 1]
+    out = {"seeds": [d["seed"] for d in datas], "results": {}}
+    for key in keys:
+        runs = [(d["seed"], d["results"][key]) for d in datas if key in d["results"]]
+        labels = runs[0][1]["labels"]
+        per = {"method": runs[0][1]["method"], "env": runs[0][1]["env"], "labels": labels,
+               "seeds": [s for s, _ in runs], "per_seed": {}, "credit": {}, "vs_method": {}}
+        draws = {}  # (label or "minus " + label, stat) -> [(estimate, variance) per seed]
+        for seed, res in runs:
+            rows = res["rows"]
+            a = np.array([r["a_star"] for r in rows])
+            traj = np.array([r["traj"] for r in rows])
+            cred = {lab: np.array([r["credit"][lab] for r in rows]) for lab in labels}
+            per["per_seed"][str(seed)] = {"reliability": reliability(a, [r["se"] for r in rows]),
+                                          "turns": len(rows), "success": res.get("success"),
+                                          "goal_score": res.get("goal_score")}
+            for lab in labels:
+                for name, fn, by_cluster in stats:
+                    v, d_ = bootstrap_draws(fn, cred[lab], a, traj, reps, seed, by_cluster)
+                    draws.setdefault((lab, name), []).append((v, d_.var(ddof=1) if len(d_) > 1 else np.nan))
+            for lab in labels[1:]:
+                pair = np.stack([cred[labels[0]], cred[lab]], axis=1)
+                for name, fn, _ in stats[:2]:
+                    v, d_ = bootstrap_draws(lambda c, a_, fn=fn: fn(c[:, 0], a_) - fn(c[:, 1], a_), pair, a, traj,
+                                            reps, seed)
+                    draws.setdefault(("minus " + lab, name), []).append((v, d_.var(ddof=1)))
+        for (lab, name), ev in draws.items():
+            est, var = zip(*ev)
+            lo, hi = bounds[name]
+            diff = lab.startswith("minus ")
+            where = per["vs_method"] if diff else per["credit"]
+            where.setdefault(lab.removeprefix("minus "), {})[name] = pool_seeds(
+                est, var, bounds=(lo - hi, hi - lo) if diff else (lo, hi)) | {"per_seed": list(est)}
+        out["results"][key] = per
+    return out
+
+
+def pooled_report(pooled: dict) -> str:
+    """The markdown of `pooled_summary`: one table, a row per credit and per paired difference."""
+    lines = [f"Seeds {', '.join(map(str, pooled['seeds']))}: one batch each at the default sizes. Per seed: Spearman ρ "
+             "of the credit with A*. Pooled: the random-effects mean over the seeds with a 95% interval that "
+             "includes the seed-to-seed spread (`pool_seeds`: DerSimonian-Laird, Hartung-Knapp t interval with "
+             "seeds - 1 degrees of freedom); τ: the seed-to-seed standard deviation of ρ beyond the episode "
+             "bootstrap's (0: none detected). AUC and within-episode ρ pooled the same way.", "",
+             "| credit (method, env) | ρ per seed | pooled ρ [95% CI] | τ | pooled AUC [95% CI] | "
+             "within episodes: pooled ρ [95% CI] |", "|---|---|---|---|---|---|"]
+    for key, r in pooled["results"].items():
+        for k, lab in enumerate(r["labels"]):
+            c = r["credit"][lab]
+            lines.append(f"| {f'**{lab}**' if k == 0 else lab} ({key}) | "
+                         + " / ".join(_num(x) for x in c["spearman"]["per_seed"])
+                         + f" | {_num(c['spearman']['value'], c['spearman']['ci'])} | {_num(c['spearman']['tau'])} | "
+                         f"{_num(c['auc']['value'], c['auc']['ci'])} | {_num(c['within']['value'], c['within']['ci'])} |")
+        for lab, c in r["vs_method"].items():
+            lines.append(f"| {r['labels'][0]} minus {lab} (paired) | "
+                         + " / ".join(_num(x) for x in c["spearman"]["per_seed"])
+                         + f" | {_num(c['spearman']['value'], c['spearman']['ci'])} | {_num(c['spearman']['tau'])} | "
+                         f"{_num(c['auc']['value'], c['auc']['ci'])} | |")
+        lines.append(f"| A* of {key}'s turns: reliability | " + " / ".join(
+            _num(r["per_seed"][str(s)]["reliability"]) for s in r["seeds"]) + " | | | | |")
+    return "\n".join(lines)
 
 
 def _fmt(v, ci=None) -> str:
@@ -899,16 +1008,18 @@ def report(data: dict) -> str:
     return "\n".join(lines)
 
 
-def write_report(data: dict, doc) -> None:
-    """Put `report(data)` between the markers of `doc` (appended, with the markers, if they are missing)."""
+def write_report(data: dict, doc, markers=(REPORT_BEGIN, REPORT_END), body: Optional[str] = None) -> None:
+    """Put `report(data)` (or `body`) between the markers of `doc` (appended, with the markers, if they
+    are missing)."""
     from pathlib import Path
 
+    begin, end = markers
     doc = Path(doc)
     text = doc.read_text() if doc.exists() else ""
-    block = f"{REPORT_BEGIN}\n{report(data)}\n{REPORT_END}"
-    if REPORT_BEGIN in text and REPORT_END in text:
-        head, rest = text.split(REPORT_BEGIN, 1)
-        text = head + block + rest.split(REPORT_END, 1)[1]
+    block = f"{begin}\n{report(data) if body is None else body}\n{end}"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + block + rest.split(end, 1)[1]
     else:
         text = text + ("\n" if text and not text.endswith("\n") else "") + block + "\n"
     doc.write_text(text)
@@ -959,7 +1070,19 @@ def main(argv=None) -> dict:
     p.add_argument("--report", action="store_true", help="write the tables of --out into --doc (after a run, "
                    "or alone: from an existing --out)")
     p.add_argument("--report-only", action="store_true", help="do not run: only write the tables of --out")
+    p.add_argument("--pool", nargs="+", default=None, metavar="OUT",
+                   help="do not run: pool the results files of several seeds (each one --out) into --doc's "
+                        "pooled table")
     a = p.parse_args(argv)
+    if a.pool:
+        missing = [f for f in a.pool if not Path(f).exists()]
+        if missing:
+            raise SystemExit(f"--pool: no such results file: {', '.join(missing)} (run the seed first with --out)")
+        pooled = pooled_summary([json.loads(Path(f).read_text()) for f in a.pool], a.reps)
+        if not pooled["results"]:
+            raise SystemExit("--pool: no method was measured in two or more of these files")
+        write_report({}, a.doc, (POOLED_BEGIN, POOLED_END), pooled_report(pooled))
+        return pooled
     import torch
 
     torch.set_num_threads(a.threads)

@@ -1,8 +1,10 @@
 """benchmarks/credit_quality.py: the Monte Carlo true advantage on a two-turn game whose values are worked
-out by hand, the agreement statistics on small cases computed by hand, and the iStar adapter's PRM warm-up."""
+out by hand, the agreement statistics on small cases computed by hand, the pooling of seeds, and the iStar
+adapter's PRM warm-up."""
 
 from __future__ import annotations
 
+import math
 import random
 import sys
 
@@ -211,6 +213,56 @@ def test_summary_and_report_between_the_markers(tmp_path):
     assert text.startswith("intro\n") and text.count(cq.REPORT_BEGIN) == 1 and text.count(cq.REPORT_END) == 1
     assert "| **M** (graphgpo) | 1.00 / 1.00 |" in text and "| B (graphgpo) | -1.00 / 0.00 |" in text
     assert "| B | -1.00 [-1.00, -1.00] | 0.00 [0.00, 0.00] | -1.00 [-1.00, -1.00] | -1.00 [-1.00, -1.00] |" in text
+
+
+def test_pool_seeds_by_hand():
+    # estimates 0.1, 0.3, 0.5, each variance 0.01: fixed mean 0.3, Q = 100 x (0.04 + 0 + 0.04) = 8,
+    # C = 300 - 30000 / 300 = 200, tau^2 = (8 - 2) / 200 = 0.03; weights 1 / 0.04 = 25 each, mean 0.3;
+    # Hartung-Knapp factor 25 x 0.08 / 2 = 1 -> SE^2 = 1 / 75; t(2, 0.975) = 4.302653 -> half-width 0.496828
+    r = cq.pool_seeds([0.1, 0.3, 0.5], [0.01] * 3)
+    assert r["value"] == pytest.approx(0.3) and r["tau"] == pytest.approx(math.sqrt(0.03))
+    assert r["ci"] == pytest.approx([0.3 - 0.496828, 0.3 + 0.496828], abs=1e-6) and r["seeds"] == 3
+    # equal estimates: tau 0, the factor is held at 1: SE^2 = 1 / (100 + 100 / 3) = 0.0075; t(1) = 12.7062
+    r = cq.pool_seeds([0.2, 0.2, float("nan")], [0.01, 0.03, 0.01])
+    assert r["tau"] == 0 and r["seeds"] == 2 and r["ci"][1] == pytest.approx(0.2 + 12.7062 * math.sqrt(0.0075), abs=1e-3)
+    # the interval is cut to what the statistic can take; one seed: its own normal interval
+    assert cq.pool_seeds([0.9, 0.95, 0.99], [0.01] * 3, bounds=(-1, 1))["ci"][1] == 1
+    assert cq.pool_seeds([0.5], [0.04])["ci"] == pytest.approx([0.5 - 1.959964 * 0.2, 0.5 + 1.959964 * 0.2])
+
+
+def test_pooled_table_of_two_seeds(tmp_path):
+    # seed 4: M orders the turns as A* does, B reverses them (as in the test above); seed 5: the same turns
+    # with B equal to M. Per seed rho of M: 1, 1; of B: -1, 1; M minus B: 2, 0.
+    a = [0.4, 0.2, -0.1, -0.3, 0.1, -0.2]
+
+    def data(seed, b_sign):
+        rows = [{"traj": i // 2, "group": i // 4, "turn": i % 2, "group_success": 0.5, "a_star": x, "se": 0.0,
+                 "credit": {"M": x, "B": b_sign * x}, "credit_by_group_size": {}} for i, x in enumerate(a)]
+        return {"seed": seed, "results": {"graphgpo": _result(rows)}}
+
+    pooled = cq.pooled_summary([data(4, -1), data(5, 1), {"seed": 6, "results": {}}], reps=40)
+    r = pooled["results"]["graphgpo"]
+    assert r["seeds"] == [4, 5] and pooled["seeds"] == [4, 5, 6]
+    assert r["credit"]["M"]["spearman"]["per_seed"] == pytest.approx([1, 1])
+    assert r["credit"]["B"]["spearman"]["per_seed"] == pytest.approx([-1, 1])
+    assert r["vs_method"]["B"]["spearman"]["per_seed"] == pytest.approx([2, 0])
+    assert r["credit"]["M"]["spearman"]["ci"][1] <= 1 and r["vs_method"]["B"]["spearman"]["ci"][1] <= 2
+    doc = tmp_path / "doc.md"
+    cq.main(["--pool", str(_dump(tmp_path, data(4, -1))), str(_dump(tmp_path, data(5, 1))), "--doc", str(doc),
+             "--reps", "40"])
+    text = doc.read_text()
+    assert text.count(cq.POOLED_BEGIN) == 1 and "| **M** (graphgpo) | 1.00 / 1.00 |" in text
+    assert "| M minus B (paired) | 2.00 / 0.00 |" in text
+    with pytest.raises(SystemExit, match="no such results file"):
+        cq.main(["--pool", str(tmp_path / "missing.json")])
+
+
+def _dump(tmp_path, data):
+    import json
+
+    path = tmp_path / f"seed{data['seed']}.json"
+    path.write_text(json.dumps(data))
+    return path
 
 
 @pytest.fixture
