@@ -35,7 +35,6 @@ Example
     python istar.py --env-id sokoban --seed 1                 # iStar on RLOO, tiny policy, CPU
     python istar.py --alpha 0                                 # vanilla RLOO baseline
     python istar.py --model-name smollm2-135m                 # SmolLM2 + its WebShop adapter
-    python istar.py --estimator grpo --step-reward-granularity token
     python istar.py --model-name Qwen/Qwen2.5-1.5B-Instruct --max-new-tokens 512 --env-id webshop
 """
 
@@ -585,12 +584,11 @@ def merge_batches(batches):
 
 
 def prm_update(model, tok, optimizer, samples, traj_success, traj_group, args, replay=()):
-    """The PRM's step (Alg. 1): score every step under the PRM as it is (Eq. 1, the log-ratios that
-    feed the advantages), then `--prm-updates-per-iteration` optimizer steps on the trajectory-DPO
-    loss (Eq. 2) of this batch's pairs and of `replay` (earlier iterations' paired batches), each in
-    two passes (docs/istar.md, "Implementation details" 4): g_s = dL/dr_s without graph, then a
-    re-forward of the paired steps backpropagating Σ_s g_s r_s. Returns (log-ratios per sample,
-    step rewards [S], stats, this batch's `paired_batch`)."""
+    """The PRM's step (Alg. 1): score every step under the PRM as it is (Eq. 1: the log-ratios that
+    feed the advantages), then `--prm-updates-per-iteration` steps on the trajectory-DPO loss
+    (Eq. 2) of this batch's pairs and `replay`'s (earlier iterations'), each in two passes
+    (docs/istar.md, "Implementation details" 4): g_s = dL/dr_s without graph, then a re-forward
+    backpropagating Σ_s g_s r_s. Returns (log-ratios, step rewards, stats, `paired_batch`)."""
     device = next(model.parameters()).device
     log_ratios = prm_log_ratios(model, tok, samples, args)
     step_rewards = implicit_turn_rewards(log_ratios, args.beta)  # Eq. 1
@@ -609,6 +607,7 @@ def prm_update(model, tok, optimizer, samples, traj_success, traj_group, args, r
         model.set_adapter("default")
         return log_ratios, step_rewards, stats, mine
     train_rewards = step_rewards[paired]
+    order = sorted(range(len(train)), key=lambda i: seq_len(train[i]))  # little padding
     for k in range(args.prm_updates_per_iteration):
         if k > 0:  # dL/dr with the PRM as it is now
             train_rewards = implicit_turn_rewards(prm_log_ratios(model, tok, train, args),
@@ -622,14 +621,14 @@ def prm_update(model, tok, optimizer, samples, traj_success, traj_group, args, r
         model.set_adapter("prm")
         model.train()
         optimizer.zero_grad(set_to_none=True)
-        for s in range(0, len(train), args.micro_batch_size):
-            chunk = train[s:s + args.micro_batch_size]
+        for s in range(0, len(order), args.micro_batch_size):
+            chunk = [train[i] for i in order[s:s + args.micro_batch_size]]
             lp, m = completion_logprobs(model, tok, [x.prompt for x in chunk],
                                         [x.completion for x in chunk], temperature=args.temperature)
             old = _padded(chunk, "old", lp.shape[1], device)
             rewards = implicit_step_rewards(lp, old, m, args.beta)  # Eq. 1 with graph
             # Σ_s g_s r_s: its gradient is the DPO loss's, one micro-batch of activations at a time
-            (rewards * grad[s:s + len(chunk)].to(rewards.dtype).to(device)).sum().backward()
+            (rewards * grad[order[s:s + len(chunk)]].to(rewards.dtype).to(device)).sum().backward()
         params = [p for group in optimizer.param_groups for p in group["params"]]
         stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, args.prm_max_grad_norm))
         optimizer.step()
@@ -672,29 +671,35 @@ def _padded(samples, key, C, device):
     return torch.stack([F.pad(r, (C - len(r), 0)) for r in rows])
 
 
+def seq_len(sample) -> int:
+    """Prompt plus completion tokens: micro-batches of similar lengths pad little (a turn's prompt
+    grows with the history it shows, so a random micro-batch pads to its longest turn)."""
+    return len(sample.prompt) + len(sample.completion)
+
+
 @torch.no_grad()
 def token_logprobs(model, tok, samples, adapter, micro_batch_size, temperature=1.0):
     """Per-sample token log-prob vectors under one adapter ("default": the policy, "prm": the PRM),
-    eval mode, no gradient."""
+    eval mode, no gradient, length-sorted micro-batches (both adapters' passes batch alike)."""
     model.set_adapter(adapter)
     model.eval()
-    out = []
+    out = [None] * len(samples)
+    order = sorted(range(len(samples)), key=lambda i: seq_len(samples[i]))  # little padding
     with merged_lora(model):  # as when sampling: one matmul per layer
-        for s in range(0, len(samples), micro_batch_size):
-            chunk = samples[s:s + micro_batch_size]
+        for s in range(0, len(order), micro_batch_size):
+            chunk = [samples[i] for i in order[s:s + micro_batch_size]]
             lp, _ = completion_logprobs(model, tok, [x.prompt for x in chunk],
                                         [x.completion for x in chunk], temperature=temperature)
-            out += [lp[j, lp.shape[1] - len(x.completion):].float().cpu()
-                    for j, x in enumerate(chunk)]
+            for j, (i, x) in enumerate(zip(order[s:s + micro_batch_size], chunk)):
+                out[i] = lp[j, lp.shape[1] - len(x.completion):].float().cpu()
     return out
 
 
 def old_logprob_turns(model, tok, episodes, args):
-    """One Sample per turn (no advantage yet) with π_θold's token log-probs in `old`: taken once,
-    they are the PRM's reference (Eq. 1) and the policy loss's old policy (Eq. 6). Recomputed, not
-    kept from sampling: scored by the same pass as the PRM's, log π_φ - log π_θold is exactly 0
-    where the PRM equals the policy (the first iteration); a sampling-time log-prob differs in the
-    last bits, and --step-reward-norm's division by the batch's largest |r| would make that ±1."""
+    """One Sample per turn with π_θold's token log-probs in `old`, the PRM's reference (Eq. 1) and
+    the old policy (Eq. 6). Recomputed in the PRM's batching, not kept from sampling: log π_φ -
+    log π_θold is then exactly 0 where the PRM equals the policy (iteration 1); a sampling-time
+    log-prob differs in the last bits, which --step-reward-norm's division would make ±1."""
     turns = [Sample(ep.prompts[t], ep.completions[t], ep.group_id, ep.traj_id, t)
              for ep in episodes for t in range(ep.length)]
     old = token_logprobs(model, tok, turns, "default", args.micro_batch_size, args.temperature)
@@ -738,7 +743,8 @@ def update(model, tok, optimizer, samples, args, rng):
     stats = {k: [] for k in ("policy_loss", "approx_kl", "clip_frac", "grad_norm")}
     order = rng.permutation(len(samples))
     for minibatch_idx in np.array_split(order, max(1, args.num_minibatches)):
-        minibatch = [samples[i] for i in minibatch_idx]
+        # length-sorted: a sum over micro-batches, so only the padding changes, not the gradient
+        minibatch = sorted((samples[i] for i in minibatch_idx), key=seq_len)
         if not minibatch:
             continue
         ntok = sum(len(x.completion) for x in minibatch)
@@ -795,8 +801,7 @@ def evaluate(model, tok, new_env, tasks, args):
     out["eval/success_episodes"] = [float(ep.success) for ep in episodes]
     for key, eps in (("", episodes), ("_greedy", greedy)):
         out[f"eval/success{key}"], out[f"eval/success{key}_se"] = mean_se([e.success for e in eps])
-    out["eval/return"] = float(np.mean([ep.env_return for ep in episodes]))
-    out["eval/return_greedy"] = float(np.mean([ep.env_return for ep in greedy]))
+        out[f"eval/return{key}"] = float(np.mean([ep.env_return for ep in eps]))
     out["eval/episode_length"] = float(np.mean([ep.length for ep in episodes]))
     out["eval/invalid_rate"] = float(sum(sum(ep.invalid) for ep in episodes) / max(n_turns, 1))
     records = [episode_record(ep, "sampled") for ep in episodes[: args.num_logged_episodes]]
@@ -923,14 +928,11 @@ def check_args(args):
         (args.tasks_per_iteration >= 1 and args.num_iterations >= 0
          and (args.micro_batch_size is None or args.micro_batch_size >= 1),  # None: by model
          "--tasks-per-iteration and --micro-batch-size must be >= 1, --num-iterations >= 0"),
-        (args.max_new_tokens is None or args.max_new_tokens >= 1,
-         f"--max-new-tokens must be >= 1 (or None: by model), got {args.max_new_tokens}"),
-        (args.history is None or args.history >= 0,
-         f"--history must be >= 0 (or None), got {args.history}"),
+        (args.max_new_tokens is None or args.max_new_tokens >= 1, "--max-new-tokens must be >= 1"),
+        (args.history is None or args.history >= 0, "--history must be >= 0 (or None)"),
         (args.beta > 0, "--beta must be > 0 (it scales the implicit reward, paper: 0.05)"),
         (args.prm_updates_per_iteration >= 1,
-         f"--prm-updates-per-iteration must be >= 1, got {args.prm_updates_per_iteration} "
-         "(--alpha 0 turns the PRM off)"),
+         "--prm-updates-per-iteration must be >= 1 (--alpha 0 turns the PRM off)"),
         (args.prm_replay is None or args.prm_replay >= 0, "--prm-replay must be >= 0 (or None)"),
         (args.prm_learning_rate is None or args.prm_learning_rate > 0, "--prm-learning-rate: > 0"),
     ]
@@ -1104,7 +1106,6 @@ def main(args: Args):
     check_args(args)
     train_tasks = list(probe.task_ids("train"))
     test_tasks = list(probe.task_ids("test"))[: args.eval_num_tasks or None]  # 0: all of them
-    use_prm = args.alpha != 0
 
     lora = dict(lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout)
     model, tok = load_policy(args.model_name, env_id=args.env_id, tiny_preset=args.tiny_preset,
@@ -1147,7 +1148,7 @@ def main(args: Args):
         # the PRM scores every step (Eq. 1's log-ratios), then takes its DPO step (Eq. 2)
         t2 = time.time()
         prm_signal, prm_stats = None, {}
-        if use_prm:
+        if args.alpha != 0:  # --alpha 0: RLOO/GRPO alone, no PRM
             _, positive, traj_group = trajectory_outcomes(episodes, args.invalid_penalty,
                                                           args.positive_threshold)
             prm_signal, step_rewards, prm_stats, mine = prm_update(

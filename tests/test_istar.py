@@ -692,3 +692,39 @@ def test_prm_equal_to_the_policy_gives_log_ratios_of_exactly_zero(random_llama_d
     assert all(len(r) == len(c) and torch.equal(r, torch.zeros(len(c))) for r, c in zip(ratios, completions))
     # the sampler's own log-probs are the same numbers to ~1e-6, but not the same bits
     assert all(torch.allclose(k, x.old, atol=1e-5) for k, x in zip(kept, turns))
+
+
+def test_length_sorted_micro_batches_score_and_train_as_one_batch(random_llama_dir):
+    """token_logprobs and update take their micro-batches in length order (less padding): each sample's
+    log-probs come back in its own place, equal to the sample scored alone, under the policy and the PRM;
+    the update's gradient over micro-batches of 3 equals the gradient of one pass over all."""
+    import istar
+    from common.models import add_adapter
+    from tests.test_shared_blocks import _policy_with_a_trained_looking_adapter
+
+    model, tok = _policy_with_a_trained_looking_adapter(random_llama_dir)
+    add_adapter(model, "prm", lora_r=4, lora_alpha=8)
+    g = torch.Generator().manual_seed(3)
+    lengths = [(9, 2), (3, 1), (14, 3), (5, 2), (11, 1), (4, 3), (8, 2)]  # unsorted on purpose
+    samples = [Sample(torch.randint(5, 250, (p,), generator=g).tolist(),
+                      torch.randint(5, 250, (c,), generator=g).tolist(), 0, i, 0, adv=(-1.0) ** i)
+               for i, (p, c) in enumerate(lengths)]
+    for adapter in ("default", "prm"):
+        got = istar.token_logprobs(model, tok, samples, adapter, micro_batch_size=3)
+        model.set_adapter(adapter)
+        for x, lp in zip(samples, got):
+            with torch.no_grad():
+                alone, _ = istar.completion_logprobs(model, tok, [x.prompt], [x.completion])
+            assert lp.shape == (len(x.completion),) and torch.allclose(lp, alone[0], atol=1e-5)
+    model.set_adapter("default")
+    for x, lp in zip(samples, istar.token_logprobs(model, tok, samples, "default", 64)):
+        x.old = lp - 0.05 * x.traj  # ratios away from 1 on some samples
+    grads = []
+    for micro in (3, 64):
+        args = Args(num_minibatches=1, micro_batch_size=micro, max_grad_norm=1e9)
+        params = istar.adapter_params(model, "default")
+        for p in params:
+            p.grad = None
+        istar.update(model, tok, torch.optim.SGD(params, lr=0.0), samples, args, np.random.default_rng(0))
+        grads.append(torch.cat([p.grad.flatten() for p in params]))
+    assert grads[0].abs().max() > 0 and torch.allclose(grads[0], grads[1], atol=1e-6)
