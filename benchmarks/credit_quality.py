@@ -17,6 +17,7 @@ method (`<method>_batch`: one batch of the script's own rollout, the method's an
 per turn from the script's own functions, A* of a random subset of the turns) and the command:
 
     python benchmarks/credit_quality.py --report     # all five methods, seed 4, tables into docs/credit_quality.md
+    python benchmarks/credit_quality.py --pool A.json B.json C.json   # seeds pooled (`pool_seeds`)
 
 docs/credit_quality.md explains the measurements, the sizing and the results; `tests/test_credit_quality.py`
 checks the estimator on a two-turn game whose values are worked out by hand.
@@ -861,32 +862,29 @@ def pooled_summary(datas: Sequence[dict], reps: int = 1000) -> dict:
         labels = runs[0][1]["labels"]
         per = {"method": runs[0][1]["method"], "env": runs[0][1]["env"], "labels": labels,
                "seeds": [s for s, _ in runs], "per_seed": {}, "credit": {}, "vs_method": {}}
-        draws = {}  # (label or "minus " + label, stat) -> [(estimate, variance) per seed]
+        draws = {}  # ("credit" or "vs_method", label, stat) -> [(estimate, variance) per seed]
         for seed, res in runs:
             rows = res["rows"]
             a = np.array([r["a_star"] for r in rows])
             traj = np.array([r["traj"] for r in rows])
             cred = {lab: np.array([r["credit"][lab] for r in rows]) for lab in labels}
-            per["per_seed"][str(seed)] = {"reliability": reliability(a, [r["se"] for r in rows]),
-                                          "turns": len(rows), "success": res.get("success"),
-                                          "goal_score": res.get("goal_score")}
+            per["per_seed"][str(seed)] = {"reliability": reliability(a, [r["se"] for r in rows])}
             for lab in labels:
                 for name, fn, by_cluster in stats:
                     v, d_ = bootstrap_draws(fn, cred[lab], a, traj, reps, seed, by_cluster)
-                    draws.setdefault((lab, name), []).append((v, d_.var(ddof=1) if len(d_) > 1 else np.nan))
+                    draws.setdefault(("credit", lab, name), []).append((v, d_.var(ddof=1) if len(d_) > 1 else np.nan))
             for lab in labels[1:]:
                 pair = np.stack([cred[labels[0]], cred[lab]], axis=1)
                 for name, fn, _ in stats[:2]:
                     v, d_ = bootstrap_draws(lambda c, a_, fn=fn: fn(c[:, 0], a_) - fn(c[:, 1], a_), pair, a, traj,
                                             reps, seed)
-                    draws.setdefault(("minus " + lab, name), []).append((v, d_.var(ddof=1)))
-        for (lab, name), ev in draws.items():
+                    var = d_.var(ddof=1) if len(d_) > 1 else np.nan
+                    draws.setdefault(("vs_method", lab, name), []).append((v, var))
+        for (kind, lab, name), ev in draws.items():
             est, var = zip(*ev)
             lo, hi = bounds[name]
-            diff = lab.startswith("minus ")
-            where = per["vs_method"] if diff else per["credit"]
-            where.setdefault(lab.removeprefix("minus "), {})[name] = pool_seeds(
-                est, var, bounds=(lo - hi, hi - lo) if diff else (lo, hi)) | {"per_seed": list(est)}
+            per[kind].setdefault(lab, {})[name] = pool_seeds(
+                est, var, bounds=(lo - hi, hi - lo) if kind == "vs_method" else (lo, hi)) | {"per_seed": list(est)}
         out["results"][key] = per
     return out
 
