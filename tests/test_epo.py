@@ -270,6 +270,33 @@ def test_end_to_end_rule_agent_rule_prm(runs):
     assert train_recs and all(t["weight"] is not None for r in train_recs for t in r["turns"])
 
 
+def test_greedy_replay_equals_the_logged_greedy_scores(runs, tmp_path):
+    # benchmarks/epo_greedy.py replays a finished run's greedy evaluation per game, start vs end: the
+    # replayed means must be the ones the run logged (greedy decoding, the same games in the same batch)
+    run_dir = runs["rule_agent_rule_prm"].result()
+    threads = torch.get_num_threads()
+    try:
+        load_benchmark("epo_greedy").main([str(run_dir), "--out", str(tmp_path / "greedy.json")])
+    finally:
+        torch.set_num_threads(threads)
+    (row,) = json.loads((tmp_path / "greedy.json").read_text())
+    logged = [r["eval/goal_score_greedy"] for r in read_metrics(run_dir) if "eval/goal_score_greedy" in r]
+    assert len(logged) == 2 and row["before"] == logged[0] and row["after"] == logged[-1]
+    assert row["games"] == 2 * 2 * 4 == row["rose"] + row["fell"] + row["same"]  # tasks x roles x styles
+    assert row["change"] == pytest.approx(row["after"] - row["before"])
+
+
+def test_greedy_replay_paired_change_by_hand():
+    bench = load_benchmark("epo_greedy")
+    specs = [("t1", "Alice", "fair"), ("t1", "Bob", "fair"), ("t2", "Alice", "tough"), ("t2", "Bob", "tough")]
+    row = bench.paired([5.0, 6.0, 7.0, 8.0], [5.0, 4.0, 7.0, 9.0], specs)
+    # differences 0, -2, 0, 1: mean -0.25, sample std sqrt(4.75 / 3) = 1.258306, SE 1.258306 / 2
+    assert row["change"] == pytest.approx(-0.25) and row["change_se"] == pytest.approx(0.629153, abs=1e-6)
+    assert (row["rose"], row["fell"], row["same"]) == (1, 1, 2)
+    assert row["change_by_style"] == {"fair": pytest.approx(-1.0), "tough": pytest.approx(0.5)}
+    assert (row["before"], row["after"]) == (6.5, 6.25)
+
+
 def test_end_to_end_base_agent_llm_prm(runs):
     # the micro model writes gibberish as agent and as PRM: the pipeline must still run and log
     run_dir = runs["base_agent_llm_prm"].result()
