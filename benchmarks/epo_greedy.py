@@ -2,17 +2,19 @@
 
 epo.py logs the greedy goal score as one mean over the test games (sampled evaluation has per-game
 scores and a paired SE, greedy has neither). This replays the greedy evaluation of finished runs: the
-starting policy (the run's model and shipped adapter, as `epo.py` loads it) and each run's final weights
-(its saved adapter), on the same test games (each task in each role against each scripted style), and
-gives the per-game change, its paired SE, and how many games rose and fell, overall and per opponent
-style. Greedy decoding is deterministic, so the replayed means should equal the ones the runs logged
-(checked, printed as `logged`).
+starting policy (the run's model and shipped adapter, as `epo.py` loads it) and each run's final
+weights (its saved adapter), on the same test games (each task in each role against each scripted
+style). It gives the per-game change, its paired SE, how many games rose and fell, overall and per
+opponent style, and in how many games the run's first and last sampled evaluation scored what greedy
+play scores (all of them: the strategist samples its greedy strategy at every turn; its distribution
+has collapsed). Greedy decoding is deterministic, so the replayed means should equal the ones the runs
+logged (checked, printed as `logged`).
 
     python benchmarks/epo_greedy.py RUN_DIR [RUN_DIR ...]          # e.g. the kept SmolLM2 runs
     python benchmarks/epo_greedy.py --out docs/results/epo_greedy_smollm2.json RUN_DIR ...
 
-A RUN_DIR is the directory of a finished epo.py run (config.json, metrics.jsonl, summary.json, adapter/). Runs that share a model
-and env share the starting policy's evaluation. One torch thread.
+A RUN_DIR is the directory of a finished epo.py run (config.json, metrics.jsonl, summary.json,
+adapter/). Runs that share a model and env share the starting policy's evaluation. One torch thread.
 """
 
 from __future__ import annotations
@@ -73,7 +75,8 @@ def paired(before, after, specs) -> dict:
     return {"before": float(np.mean(before)), "after": float(np.mean(after)),
             "change": float(d.mean()), "change_se": se, "games": len(d),
             "rose": int((d > 0).sum()), "fell": int((d < 0).sum()), "same": int((d == 0).sum()),
-            "change_by_style": {k: float(np.mean(v)) for k, v in sorted(by_style.items())}}
+            "change_by_style": {k: float(np.mean(v)) for k, v in sorted(by_style.items())},
+            "games_before": [float(x) for x in before], "games_after": [float(x) for x in after]}
 
 
 def main(argv=None):
@@ -107,16 +110,26 @@ def main(argv=None):
                  if line.strip() and "eval/goal_score_greedy" in line]
         logged = [r["eval/goal_score_greedy"] for r in evals
                   if r.get("eval/goal_score_greedy") is not None]
+        sampled = [r for r in evals if r.get("eval/goal_score_episodes")]
         row = {"run": run_dir.resolve().parent.name, "exp_name": args.exp_name, "seed": args.seed,
                "prm": args.prm, "iterations": args.num_iterations,
                "logged_before": logged[0] if logged else None,
                "logged_after": logged[-1] if logged else None,
-               **paired(start_cache[key], end, specs)}
+               **paired(start_cache[key], end, specs),
+               # the last sampled evaluation per game (same order): equal to greedy where sampling
+               # at the evaluation temperature picks the greedy strategy at every turn
+               "sampled_after_games": sampled[-1]["eval/goal_score_episodes"] if sampled else None}
+        if sampled:
+            row["sampled_equal_greedy_after"] = int(np.sum(np.isclose(row["sampled_after_games"], end)))
+            row["sampled_equal_greedy_before"] = int(np.sum(np.isclose(
+                sampled[0]["eval/goal_score_episodes"], start_cache[key])))
         rows.append(row)
         print(f"{args.exp_name} seed {args.seed}: greedy goal score {row['before']:.3f} -> "
               f"{row['after']:.3f} ({row['change']:+.3f} ± {row['change_se']:.3f} paired, "
               f"{row['games']} games: {row['rose']} rose, {row['fell']} fell); logged "
-              f"{row['logged_before']:.3f} -> {row['logged_after']:.3f}; by style "
+              f"{row['logged_before']:.3f} -> {row['logged_after']:.3f}; sampled game scores equal "
+              f"to greedy {row.get('sampled_equal_greedy_before')} -> "
+              f"{row.get('sampled_equal_greedy_after')} of {row['games']}; by style "
               + ", ".join(f"{k} {v:+.2f}" for k, v in row["change_by_style"].items()), flush=True)
     d = [r["change"] for r in rows]
     if len(d) > 1:
