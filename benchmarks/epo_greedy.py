@@ -6,9 +6,9 @@ starting policy (the run's model and shipped adapter, as `epo.py` loads it) and 
 weights (its saved adapter), on the same test games (each task in each role against each scripted
 style). It gives the per-game change, its paired SE, how many games rose and fell, overall and per
 opponent style, and in how many games the run's first and last sampled evaluation scored what greedy
-play scores (all of them: the strategist samples its greedy strategy at every turn; its distribution
-has collapsed). Greedy decoding is deterministic, so the replayed means should equal the ones the runs
-logged (checked, printed as `logged`).
+play scores (equal scores: an upper bound on the games sampled exactly as greedy play). Greedy decoding
+is deterministic, so the replayed means should equal the ones the runs logged (checked, printed as
+`logged`).
 
     python benchmarks/epo_greedy.py RUN_DIR [RUN_DIR ...]          # e.g. the kept SmolLM2 runs
     python benchmarks/epo_greedy.py --out docs/results/epo_greedy_smollm2.json RUN_DIR ...
@@ -71,7 +71,7 @@ def paired(before, after, specs) -> dict:
     se = float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) > 1 else 0.0
     by_style = defaultdict(list)
     for (_, role, style), x in zip(specs, d):
-        by_style[f"{style or 'agent'}"].append(float(x))
+        by_style[style or "agent"].append(float(x))
     return {"before": float(np.mean(before)), "after": float(np.mean(after)),
             "change": float(d.mean()), "change_se": se, "games": len(d),
             "rose": int((d > 0).sum()), "fell": int((d < 0).sum()), "same": int((d == 0).sum()),
