@@ -688,7 +688,7 @@ def aria_batch(cfg: Config, env_id: str = "bargaining", argv: Sequence[str] = ()
 
 
 def epo_batch(cfg: Config, env_id: str = "negotiation", argv: Sequence[str] = ()) -> dict:
-    """EPO's turn weights (epo.py's `training_games` with its default `--train-opponent rule:any`,
+    """EPO's turn weights (epo.py's `training_games` with `--train-opponent rule:any`, the tiny default;
     `rollout` and `compute_advantages` with the rule PRM's critical turns) and the outcome-only weights
     (--prm none) on one batch of tasks x group games, and A* of the strategist's turns. A turn's action is
     the move the rule agent makes from the strategist's strategy; the continuation samples the strategist
@@ -714,8 +714,10 @@ def epo_batch(cfg: Config, env_id: str = "negotiation", argv: Sequence[str] = ()
     import envs
 
     two_player = env_id in envs.TWO_PLAYER
-    if not (two_player and defaults.is_tiny and args.agent == "rule"):
-        raise ValueError("epo_batch measures the tiny strategist with the rule agent in a two-player game")
+    if not (two_player and (defaults.is_tiny or defaults.sft) and args.agent == "rule"):
+        raise ValueError("epo_batch measures a tiny or SFT strategist with the rule agent in a two-player game")
+    if args.train_opponent == "self":  # a real model's preset trains in self-chat; A* needs scripted styles
+        args = dataclasses.replace(args, train_opponent="rule:any")
     players, styles = list(probe.players), list(probe.opponent_styles())
     model, tok = load_policy(args.model_name, env_id=env_id, tiny_preset=args.tiny_preset, load_in_4bit=False,
                              lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
