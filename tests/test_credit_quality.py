@@ -365,3 +365,14 @@ def test_model_name_and_tiny_preset_reach_the_adapters_as_script_flags(monkeypat
     with pytest.raises(Stop):
         cq.main(["--methods", "graphgpo", "--tiny-preset", "micro", "--out", str(tmp_path / "o.json")])
     assert seen["argv"] == ["--tiny-preset", "micro"]
+
+
+def test_epo_adapter_plays_scripted_styles_even_when_the_preset_trains_in_self_chat(tiny_cache, one_thread):
+    # A* continues each game against its scripted opponent, so a self-chat preset (a real model's) is
+    # measured against the styles; the rows then name a style, never "self".
+    res = cq.epo_batch(cq.Config(tasks=1, group=2, n=1, turns=3, seed=1),
+                       argv=["--tiny-preset", "micro", "--max-new-tokens", "8", "--train-opponent", "self"])
+    assert res["labels"] == ["EPO", "outcome-only"] and res["turns_scored"] == 3
+    assert {r["opponent"] for r in res["rows"]} <= {"fair", "tough", "conceding", "tit_for_tat"}
+    for r in res["rows"]:
+        assert 0.0 <= r["q"] <= 1.0 and 0.0 <= r["v"] <= 1.0  # goal score / 10
