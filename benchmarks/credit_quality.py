@@ -871,17 +871,23 @@ def pooled_summary(datas: Sequence[dict], reps: int = 1000) -> dict:
             traj = np.array([r["traj"] for r in rows])
             cred = {lab: np.array([r["credit"][lab] for r in rows]) for lab in labels}
             per["per_seed"][str(seed)] = {"reliability": reliability(a, [r["se"] for r in rows])}
+            # a credit that is the same on every turn (e.g. a batch whose groups all ended alike) orders
+            # nothing: its ρ is undefined and its AUC a tie of 0.5 with no variance, which would outweigh
+            # every other seed, so the seed is left out of each statistic that involves that credit
+            flat = {lab: bool(np.ptp(cred[lab]) == 0) for lab in labels}
             for lab in labels:
                 for name, fn, by_cluster in stats:
                     v, d_ = bootstrap_draws(fn, cred[lab], a, traj, reps, seed, by_cluster)
-                    draws.setdefault(("credit", lab, name), []).append((v, d_.var(ddof=1) if len(d_) > 1 else np.nan))
+                    ev = (np.nan, np.nan) if flat[lab] else (v, d_.var(ddof=1) if len(d_) > 1 else np.nan)
+                    draws.setdefault(("credit", lab, name), []).append(ev)
             for lab in labels[1:]:
                 pair = np.stack([cred[labels[0]], cred[lab]], axis=1)
                 for name, fn, _ in stats[:2]:
                     v, d_ = bootstrap_draws(lambda c, a_, fn=fn: fn(c[:, 0], a_) - fn(c[:, 1], a_), pair, a, traj,
                                             reps, seed)
-                    var = d_.var(ddof=1) if len(d_) > 1 else np.nan
-                    draws.setdefault(("vs_method", lab, name), []).append((v, var))
+                    ev = ((np.nan, np.nan) if flat[labels[0]] or flat[lab]
+                          else (v, d_.var(ddof=1) if len(d_) > 1 else np.nan))
+                    draws.setdefault(("vs_method", lab, name), []).append(ev)
         for (kind, lab, name), ev in draws.items():
             est, var = zip(*ev)
             lo, hi = bounds[name]
@@ -893,25 +899,31 @@ def pooled_summary(datas: Sequence[dict], reps: int = 1000) -> dict:
 
 def pooled_report(pooled: dict) -> str:
     """The markdown of `pooled_summary`: one table, a row per credit and per paired difference."""
-    lines = [f"Seeds {', '.join(map(str, pooled['seeds']))}: one batch each at the default sizes. Per seed: Spearman ρ "
-             "of the credit with A*. Pooled: the random-effects mean over the seeds with a 95% interval that "
-             "includes the seed-to-seed spread (`pool_seeds`: DerSimonian-Laird, Hartung-Knapp t interval with "
-             "seeds - 1 degrees of freedom); τ: the seed-to-seed standard deviation of ρ beyond the episode "
-             "bootstrap's (0: none detected). AUC and within-episode ρ pooled the same way.", "",
+    lines = [f"Seeds {', '.join(map(str, pooled['seeds']))}: one batch each at the sizes the runs used. Per seed: "
+             "Spearman ρ of the credit with A* (n/a: the credit was the same on every scored turn, so it has no "
+             "ρ, and the seed is left out of that row's pool). Pooled: the random-effects mean over the seeds with "
+             "a 95% interval that includes the seed-to-seed spread (`pool_seeds`: DerSimonian-Laird, "
+             "Hartung-Knapp t interval with seeds - 1 degrees of freedom; \"k of n seeds\" where fewer seeds than "
+             "measured it had a ρ; one seed: its own bootstrap interval); τ: the seed-to-seed standard deviation "
+             "of ρ beyond the episode bootstrap's (0: none detected). AUC and within-episode ρ pooled the same "
+             "way.", "",
              "| credit (method, env) | ρ per seed | pooled ρ [95% CI] | τ | pooled AUC [95% CI] | "
              "within episodes: pooled ρ [95% CI] |", "|---|---|---|---|---|---|"]
+    def of(stat: dict) -> str:  # the pooled cell, with how many seeds went into it where some had no value
+        n = len(stat["per_seed"])
+        return _num(stat["value"], stat["ci"]) + (f" ({stat['seeds']} of {n} seeds)" if 0 < stat["seeds"] < n else "")
+
     for key, r in pooled["results"].items():
         for k, lab in enumerate(r["labels"]):
             c = r["credit"][lab]
             lines.append(f"| {f'**{lab}**' if k == 0 else lab} ({key}) | "
                          + " / ".join(_num(x) for x in c["spearman"]["per_seed"])
-                         + f" | {_num(c['spearman']['value'], c['spearman']['ci'])} | {_num(c['spearman']['tau'])} | "
-                         f"{_num(c['auc']['value'], c['auc']['ci'])} | {_num(c['within']['value'], c['within']['ci'])} |")
+                         + f" | {of(c['spearman'])} | {_num(c['spearman']['tau'])} | "
+                         f"{of(c['auc'])} | {of(c['within'])} |")
         for lab, c in r["vs_method"].items():
             lines.append(f"| {r['labels'][0]} minus {lab} (paired) | "
                          + " / ".join(_num(x) for x in c["spearman"]["per_seed"])
-                         + f" | {_num(c['spearman']['value'], c['spearman']['ci'])} | {_num(c['spearman']['tau'])} | "
-                         f"{_num(c['auc']['value'], c['auc']['ci'])} | |")
+                         + f" | {of(c['spearman'])} | {_num(c['spearman']['tau'])} | {of(c['auc'])} | |")
         lines.append(f"| A* of {key}'s turns: reliability | " + " / ".join(
             _num(r["per_seed"][str(s)]["reliability"]) for s in r["seeds"]) + " | | | | |")
     return "\n".join(lines)

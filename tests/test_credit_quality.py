@@ -257,6 +257,30 @@ def test_pooled_table_of_two_seeds(tmp_path):
         cq.main(["--pool", str(tmp_path / "missing.json")])
 
 
+def test_a_seed_whose_credit_is_flat_is_left_out_of_that_credits_pool(tmp_path):
+    # seeds 4 and 5 as above (B reversed, then B = M); on seed 6 B is 0 on every turn (a batch whose groups
+    # all ended alike). B's rho there is undefined and its AUC a 0.5 tie with no bootstrap variance, a
+    # weight of 1e12 in the pool: B and M minus B pool seeds 4 and 5 only; M keeps all three seeds.
+    a = [0.4, 0.2, -0.1, -0.3, 0.1, -0.2]
+
+    def data(seed, b):
+        rows = [{"traj": i // 2, "group": i // 4, "turn": i % 2, "group_success": 0.5, "a_star": x, "se": 0.0,
+                 "credit": {"M": x, "B": b(x)}, "credit_by_group_size": {}} for i, x in enumerate(a)]
+        return {"seed": seed, "results": {"graphgpo": _result(rows)}}
+
+    datas = [data(4, lambda x: -x), data(5, lambda x: x), data(6, lambda x: 0.0)]
+    r = cq.pooled_summary(datas, reps=40)["results"]["graphgpo"]
+    assert r["credit"]["M"]["auc"]["seeds"] == 3 and r["credit"]["M"]["auc"]["value"] == pytest.approx(1.0)
+    b_auc = r["credit"]["B"]["auc"]
+    assert b_auc["seeds"] == 2 and math.isnan(b_auc["per_seed"][2])
+    assert b_auc["per_seed"][:2] == pytest.approx([0, 1]) and b_auc["value"] == pytest.approx(0.5)
+    assert r["vs_method"]["B"]["spearman"]["seeds"] == 2 and r["vs_method"]["B"]["auc"]["seeds"] == 2
+    doc = tmp_path / "doc.md"
+    cq.main(["--pool", *(str(_dump(tmp_path, d)) for d in datas), "--doc", str(doc), "--reps", "40"])
+    text = doc.read_text()
+    assert "| B (graphgpo) | -1.00 / 1.00 / n/a |" in text and "(2 of 3 seeds)" in text and "of 0" not in text and "(0 of" not in text
+
+
 def _dump(tmp_path, data):
     import json
 
