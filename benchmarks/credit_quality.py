@@ -924,7 +924,8 @@ def pooled_report(pooled: dict) -> str:
             lines.append(f"| {r['labels'][0]} minus {lab} (paired) | "
                          + " / ".join(_num(x) for x in c["spearman"]["per_seed"])
                          + f" | {of(c['spearman'])} | {_num(c['spearman']['tau'])} | {of(c['auc'])} | |")
-        lines.append(f"| A* of {key}'s turns: reliability | " + " / ".join(
+        which = f" (seeds {' / '.join(map(str, r['seeds']))})" if r["seeds"] != pooled["seeds"] else ""
+        lines.append(f"| A* of {key}'s turns: reliability{which} | " + " / ".join(
             _num(r["per_seed"][str(s)]["reliability"]) for s in r["seeds"]) + " | | | | |")
     return "\n".join(lines)
 

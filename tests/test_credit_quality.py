@@ -247,11 +247,13 @@ def test_pooled_table_of_two_seeds(tmp_path):
     assert r["credit"]["B"]["spearman"]["per_seed"] == pytest.approx([-1, 1])
     assert r["vs_method"]["B"]["spearman"]["per_seed"] == pytest.approx([2, 0])
     assert r["credit"]["M"]["spearman"]["ci"][1] <= 1 and r["vs_method"]["B"]["spearman"]["ci"][1] <= 2
+    assert "| A* of graphgpo's turns: reliability (seeds 4 / 5) | " in cq.pooled_report(pooled)
     doc = tmp_path / "doc.md"
     cq.main(["--pool", str(_dump(tmp_path, data(4, -1))), str(_dump(tmp_path, data(5, 1))), "--doc", str(doc),
              "--reps", "40"])
     text = doc.read_text()
     assert text.count(cq.POOLED_BEGIN) == 1 and "| **M** (graphgpo) | 1.00 / 1.00 |" in text
+    assert "| A* of graphgpo's turns: reliability | " in text  # seed 6 measured nothing: not named
     assert "| M minus B (paired) | 2.00 / 0.00 |" in text
     with pytest.raises(SystemExit, match="no such results file"):
         cq.main(["--pool", str(tmp_path / "missing.json")])
