@@ -875,18 +875,19 @@ def pooled_summary(datas: Sequence[dict], reps: int = 1000) -> dict:
             # nothing: its ρ is undefined and its AUC a tie of 0.5 with no variance, which would outweigh
             # every other seed, so the seed is left out of each statistic that involves that credit
             flat = {lab: bool(np.ptp(cred[lab]) == 0) for lab in labels}
+            def estimate(fn, c, by_cluster=False):  # (value, bootstrap variance)
+                v, d_ = bootstrap_draws(fn, c, a, traj, reps, seed, by_cluster)
+                return v, d_.var(ddof=1) if len(d_) > 1 else np.nan
+
             for lab in labels:
                 for name, fn, by_cluster in stats:
-                    v, d_ = bootstrap_draws(fn, cred[lab], a, traj, reps, seed, by_cluster)
-                    ev = (np.nan, np.nan) if flat[lab] else (v, d_.var(ddof=1) if len(d_) > 1 else np.nan)
+                    ev = (np.nan, np.nan) if flat[lab] else estimate(fn, cred[lab], by_cluster)
                     draws.setdefault(("credit", lab, name), []).append(ev)
             for lab in labels[1:]:
                 pair = np.stack([cred[labels[0]], cred[lab]], axis=1)
                 for name, fn, _ in stats[:2]:
-                    v, d_ = bootstrap_draws(lambda c, a_, fn=fn: fn(c[:, 0], a_) - fn(c[:, 1], a_), pair, a, traj,
-                                            reps, seed)
                     ev = ((np.nan, np.nan) if flat[labels[0]] or flat[lab]
-                          else (v, d_.var(ddof=1) if len(d_) > 1 else np.nan))
+                          else estimate(lambda c, a_, fn=fn: fn(c[:, 0], a_) - fn(c[:, 1], a_), pair))
                     draws.setdefault(("vs_method", lab, name), []).append(ev)
         for (kind, lab, name), ev in draws.items():
             est, var = zip(*ev)
