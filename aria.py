@@ -741,13 +741,15 @@ def update(model, tok, optimizer, samples, args, rng):
     """`num_epochs` passes of offline REINFORCE over the turns, shuffled, `batch_size` turns per
     optimizer step. A zero-weight turn adds nothing to the loss, so its forward is skipped."""
     params = [p for p in model.parameters() if p.requires_grad]
-    stats = {"loss": [], "loss_first_epoch": [], "grad_norm": [], "logp": [], "steps": 0}
+    stats = {"loss": [], "loss_first_epoch": [], "grad_norm": [], "logp": []}
     model.train()
     for epoch in range(args.num_epochs):
         order = rng.permutation(len(samples))
         for start in range(0, len(order), args.batch_size):
             batch = [samples[i] for i in order[start:start + args.batch_size]]
-            live = [x for x in batch if x.adv != 0.0]
+            # length-sorted: the loss is a sum over micro-batches, so only the padding changes
+            live = sorted((x for x in batch if x.adv != 0.0),
+                          key=lambda x: len(x.prompt) + len(x.completion))
             if not live:
                 continue
             optimizer.zero_grad(set_to_none=True)
@@ -768,19 +770,15 @@ def update(model, tok, optimizer, samples, args, rng):
             stats["grad_norm"].append(float(torch.nn.utils.clip_grad_norm_(params,
                                                                            args.max_grad_norm)))
             optimizer.step()
-            stats["steps"] += 1
             if epoch == args.num_epochs - 1:
                 stats["loss"].append(batch_loss)
             if epoch == 0:
                 stats["loss_first_epoch"].append(batch_loss)
     model.eval()
-
-    def mean(key):
-        return float(np.mean(stats[key])) if stats[key] else 0.0
-
-    return {"policy_loss": mean("loss"), "policy_loss_first_epoch": mean("loss_first_epoch"),
-            "grad_norm": mean("grad_norm"), "weighted_seq_logp": mean("logp"),
-            "optimizer_steps": stats["steps"]}
+    mean = {k: float(np.mean(v)) if v else 0.0 for k, v in stats.items()}
+    return {"policy_loss": mean["loss"], "policy_loss_first_epoch": mean["loss_first_epoch"],
+            "grad_norm": mean["grad_norm"], "weighted_seq_logp": mean["logp"],
+            "optimizer_steps": len(stats["grad_norm"])}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -765,7 +765,7 @@ def lr_factor(step, total, warmup_ratio):
 
 def update(model, tok, optimizer, samples, args, rng):
     """`num_epochs` passes over the trajectories with a non-zero weight, `trajectories_per_step` per
-    optimizer step (its loss: the mean of their `epo_loss`), turns in micro-batches."""
+    optimizer step (the mean of their `epo_loss`), turns in length-sorted micro-batches."""
     by_traj = {}  # the samples of each trajectory, in turn order
     for x in samples:
         by_traj.setdefault(x.traj, []).append(x)
@@ -781,7 +781,8 @@ def update(model, tok, optimizer, samples, args, rng):
         order = rng.permutation(len(data))
         for s in range(0, len(order), per_step):
             batch = [data[i] for i in order[s:s + per_step]]
-            turns = [(j, x) for j, trajectory in enumerate(batch) for x in trajectory]
+            turns = sorted(((j, x) for j, trajectory in enumerate(batch) for x in trajectory),
+                           key=lambda jx: len(jx[1].prompt) + len(jx[1].completion))  # less padding
             for group in optimizer.param_groups:
                 group["lr"] = args.learning_rate * lr_factor(len(losses), total, args.warmup_ratio)
             optimizer.zero_grad(set_to_none=True)
@@ -960,8 +961,7 @@ def check_args(args):
     if not 0.0 < args.gamma <= 1.0:
         raise UserError("--gamma must be in (0, 1]")
     if min(args.micro_batch_size, args.trajectories_per_step) < 1 or args.eval_num_tasks < 0:
-        raise UserError("--micro-batch-size and --trajectories-per-step must be >= 1, "
-                        "--eval-num-tasks >= 0")
+        raise UserError("--micro-batch-size, --trajectories-per-step: >= 1; --eval-num-tasks: >= 0")
     if not 0.0 <= args.prm_min_final <= 1.0:
         raise UserError("--prm-min-final must be in [0, 1] (the env's progress scale)")
 
