@@ -136,7 +136,7 @@ PRESETS = {"real": dict(learning_rate=2e-5, max_new_tokens=48, agent_max_new_tok
                         prm_min_final=0.5)}
 GAME_OPTIONS = ("train_opponent", "return_norm", "prm_min_final")
 # The run's size (options left at None): the tiny CPU run and SmolLM2 with its Negotiation
-# strategist adapter, about an hour on 2 CPU cores (docs/smollm2.md).
+# strategist adapter, under an hour on 2 CPU cores (docs/smollm2.md).
 RUN_SIZES = {"default": dict(env_id="negotiation", num_iterations=40, episodes_per_iteration=64,
                              eval_num_tasks=0, eval_every=10, checkpoint_every=5),
              "smollm2-135m": dict(env_id="negotiation", num_iterations=6, episodes_per_iteration=8,
