@@ -82,8 +82,11 @@ class Args:
     lora_r: int = 64  # LoRA rank (paper: 64)
     lora_alpha: int = 64  # LoRA alpha (paper: 64)
     lora_dropout: float = 0.0  # LoRA dropout
-    activation_checkpointing: bool = False  # in the training forward (saves GPU memory)
-    static_cache: bool = False  # static KV cache in generate, compiled on CUDA (docs/gpu.md)
+    activation_checkpointing: Optional[bool] = None
+    """recompute activations in the backward (GPU memory); None: on for real models on CUDA"""
+    static_cache: bool = False
+    """static KV cache in generate (batches padded to a power of two); transformers compiles it
+    on CUDA, but not for 4-bit weights (docs/gpu.md)"""
     max_new_tokens: Optional[int] = None  # most tokens generated per turn; None: by model (PRESETS)
     temperature: Optional[float] = None
     """rollout sampling temperature; None: by model (1.0, the paper's; the tiny 20Q policy: 1.5)"""
@@ -369,19 +372,34 @@ class Sample:
 def render_prompt(tok, messages) -> str:
     """The sampling-time prompt: the chat template with the generation prompt, as text. Thinking
     off: a template that reads `enable_thinking` (Qwen3) opens the answer with an empty think block
-    instead of spending the token budget on thoughts; other templates ignore the variable."""
-    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                   enable_thinking=False)
+    instead of spending the token budget on thoughts; other templates ignore the variable. A template
+    that rejects a system message (Gemma) gets the system text at the head of the first user turn."""
+    kw = dict(tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    try:
+        return tok.apply_chat_template(messages, **kw)
+    except Exception:  # noqa: BLE001 - jinja's TemplateError; retried once without a system turn
+        if not messages or messages[0]["role"] != "system" or len(messages) < 2:
+            raise
+        first = dict(messages[1], content=messages[0]["content"] + "\n\n" + messages[1]["content"])
+        return tok.apply_chat_template([first, *messages[2:]], **kw)
 
 
 def encode(tok, text: str) -> list:
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
-def completion_text(tok, completion) -> str:
-    """The text the env reads from a completion: "" (an invalid action in every env) when it has no
-    EOS, i.e. it was cut at max_new_tokens, else the decoded text without special tokens."""
-    if not completion or completion[-1] != tok.eos_token_id:
+def stop_ids(model, tok) -> set:
+    """The ids that end a turn: the tokenizer's EOS and every id the checkpoint's generation config
+    lists (Llama 3's <|eot_id|>, Gemma's <end_of_turn>)."""
+    listed = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    listed = [] if listed is None else [listed] if isinstance(listed, int) else list(listed)
+    return {tok.eos_token_id, *listed} - {None}
+
+
+def completion_text(tok, completion, stops) -> str:
+    """The text the env reads from a completion: "" (an invalid action in every env) when it ends in
+    no stop id, i.e. it was cut at max_new_tokens, else the decoded text without special tokens."""
+    if not completion or completion[-1] not in stops:
         return ""
     return tok.decode(completion, skip_special_tokens=True)
 
@@ -446,8 +464,8 @@ def merged_lora(model):
 @torch.no_grad()
 def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False, noise_keys=None,
              logprobs=False):
-    """One batched generate (left padding, top_k=0, top_p=1, stop at EOS, LoRA merged); temperature
-    <= 0 is greedy. `noise_keys` (one tuple of non-negative ints per row): sample with `CommonNoise`
+    """One batched generate (left padding, stop at any `stop_ids`, LoRA merged, the checkpoint's own
+    sampling settings off); temperature <= 0 is greedy. `noise_keys` (one tuple of non-negative ints per row): sample with `CommonNoise`
     instead (evaluation). Returns completion id lists: each row up to and including its first EOS,
     or all `max_new_tokens` tokens when it has none (every one was sampled, even one equal to pad);
     with `logprobs`, also each row's token log-probs (None where not drawn by `SampledLogprobs`)."""
@@ -455,13 +473,13 @@ def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False, 
         return ([], []) if logprobs else []
     n = len(prompt_ids)
     if getattr(getattr(model, "generation_config", None), "cache_implementation", None) == "static":
-        # --static-cache compiles once per batch size (on CUDA): pad to a power of two with
-        # copies of row 0, dropped below (sampled rows then draw other torch random numbers)
+        # --static-cache: one cache shape per power of two (what torch.compile would reuse): pad
+        # with copies of row 0, dropped below (sampled rows then draw other torch random numbers)
         extra = (1 << (n - 1).bit_length()) - n
         prompt_ids = list(prompt_ids) + [prompt_ids[0]] * extra
         noise_keys = None if noise_keys is None else list(noise_keys) + [noise_keys[0]] * extra
     device = next(model.parameters()).device
-    pad, eos = tok.pad_token_id, tok.eos_token_id
+    pad, stops = tok.pad_token_id, stop_ids(model, tok)
     width = max(len(p) for p in prompt_ids)
     input_ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompt_ids],
                              dtype=torch.long, device=device)
@@ -475,10 +493,21 @@ def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False, 
         kw = dict(do_sample=False, logits_processor=[recorder])
     else:
         kw = dict(do_sample=False)
-    with merged_lora(model):
-        out = model.generate(input_ids=input_ids, attention_mask=attention, pad_token_id=pad,
-                             eos_token_id=eos, max_new_tokens=max_new_tokens, **kw)
-    rows = [row[: row.index(eos) + 1] if eos in row else row for row in out[:n, width:].tolist()]
+    # generate would apply the checkpoint's generation config (Qwen2.5's repetition penalty, top-k)
+    # even with do_sample=False: a clean one keeps the samples the policy's own
+    from transformers import GenerationConfig
+
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    own = inner.generation_config
+    inner.generation_config = GenerationConfig(cache_implementation=own.cache_implementation)
+    try:
+        with merged_lora(model):
+            out = model.generate(input_ids=input_ids, attention_mask=attention, pad_token_id=pad,
+                                 eos_token_id=sorted(stops), max_new_tokens=max_new_tokens, **kw)
+    finally:
+        inner.generation_config = own
+    rows = [next((r[:i + 1] for i, t in enumerate(r) if t in stops), r)
+            for r in out[:n, width:].tolist()]
     if not logprobs:
         return rows
     if recorder is None or not recorder.steps:  # not drawn by the recorder: `update` recomputes
@@ -506,6 +535,7 @@ def rollout(model, tok, new_env, task_ids, group_ids, args, temperature, belief_
     winning one). `noise_keys` (evaluation): one key per game, turn t samples with (*key, t, 0)."""
     envs_, episodes = start_games(new_env, task_ids, group_ids, max_turns)
     model.eval()
+    stops = stop_ids(model, tok)
 
     def beliefs(games):  # b of each game's current chat, in micro-batches
         return elicit_beliefs(model, tok, [envs_[i].messages() for i in games],
@@ -522,7 +552,7 @@ def rollout(model, tok, new_env, task_ids, group_ids, args, temperature, belief_
         completions, logprobs = generate(model, tok, prompts, temperature, args.max_new_tokens,
                                          greedy, keys, logprobs=True)
         for i, prompt, completion, lp in zip(active, prompts, completions, logprobs):
-            step = envs_[i].step(completion_text(tok, completion))
+            step = envs_[i].step(completion_text(tok, completion, stops))
             episodes[i].add_turn(tok, prompt, completion, step, lp)
         if with_beliefs:  # none is elicited after the winning turn
             unsolved = [i for i in active if not episodes[i].success]
@@ -786,13 +816,14 @@ def best_of_n_rollout(model, tok, new_env, tasks, args, belief_message, n, max_t
                         [ep.target for ep in episodes], belief_message, args.micro_batch_size)
     for ep, b in zip(episodes, b0):
         ep.beliefs.append(float(b))
+    stops = stop_ids(model, tok)
     while active := [i for i, env in enumerate(envs_) if not env.done]:
         prompts = [encode(tok, render_prompt(tok, envs_[i].messages())) for i in active]
         keys = [(*noise_keys[i], episodes[i].length, j) for i in active for j in range(n)]
         completions = generate(model, tok, [p for p in prompts for _ in range(n)],
                                args.eval_temperature, args.max_new_tokens, noise_keys=keys)
         copies = [copy.deepcopy(envs_[i]) for i in active for _ in range(n)]
-        steps = [env.step(completion_text(tok, c)) for env, c in zip(copies, completions)]
+        steps = [env.step(completion_text(tok, c, stops)) for env, c in zip(copies, completions)]
         unsolved = [q for q, step in enumerate(steps) if not step.info["success"]]
         after = np.full(len(copies), np.inf)
         after[unsolved] = elicit_beliefs(model, tok, [copies[q].messages() for q in unsolved],

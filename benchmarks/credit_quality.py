@@ -276,7 +276,7 @@ def model_policy(script, model, tok, temperature: float, max_new_tokens: int, ch
         out = []
         for k in range(0, len(ids), chunk):
             comps = script.generate(model, tok, ids[k:k + chunk], temperature, max_new_tokens)
-            out += [script.completion_text(tok, c) for c in comps]
+            out += [script.completion_text(tok, c, script.stop_ids(model, tok)) for c in comps]
         return out
     return act
 
@@ -407,7 +407,7 @@ def graphgpo_batch(cfg: Config, env_id: str = "sokoban", argv: Sequence[str] = (
     rows, states, texts, keys, rets = [], [], [], [], []
     reward = _sokoban_reward(success=args.r_succ, invalid=args.invalid_penalty, shaped=False)
     for ep in episodes:
-        played = [gg.completion_text(tok, c) for c in ep.completions]
+        played = [gg.completion_text(tok, c, gg.stop_ids(model, tok)) for c in ep.completions]
         env = new_env()
         env.reset(ep.task_id)
         states += replayed_states(env, played)
@@ -514,7 +514,7 @@ def istar_batch(cfg: Config, env_id: str = "sokoban", argv: Sequence[str] = (), 
     reward = _sokoban_reward(success=1.0, invalid=args.invalid_penalty, shaped=True)
     rows, states, texts, keys, rets = [], [], [], [], []
     for ep in episodes:
-        played = [ist.completion_text(tok, c) for c in ep.completions]
+        played = [ist.completion_text(tok, c, ist.stop_ids(model, tok)) for c in ep.completions]
         env = new_env()
         env.reset(ep.task_id)
         states += replayed_states(env, played)
@@ -592,7 +592,7 @@ def delta_belief_batch(cfg: Config, env_id: str = "twenty_questions", argv: Sequ
 
     rows, states, texts, keys, rets = [], [], [], [], []
     for ep in episodes:
-        played = [db.completion_text(tok, c) for c in ep.completions]
+        played = [db.completion_text(tok, c, db.stop_ids(model, tok)) for c in ep.completions]
         env = new_env()
         env.reset(ep.task_id)
         states += replayed_states(env, played)
@@ -658,7 +658,7 @@ def aria_batch(cfg: Config, env_id: str = "bargaining", argv: Sequence[str] = ()
 
     rows, states, texts, keys, rets = [], [], [], [], []
     for ep in episodes:
-        played = [ar.completion_text(tok, s["completion"]) for s in ep.steps]
+        played = [ar.completion_text(tok, s["completion"], ar.stop_ids(model, tok)) for s in ep.steps]
         game = new_env().reset(ep.task_id)
         states += replayed_states(game, played)
         if two_player and abs(float(np.mean(list(game.env.payoffs().values()))) - ep.env_return) > 1e-9:
@@ -741,7 +741,7 @@ def epo_batch(cfg: Config, env_id: str = "negotiation", argv: Sequence[str] = ()
         out = []
         for k in range(0, len(prompts), 256):
             comps = ep_mod.generate(model, tok, prompts[k:k + 256], args.temperature, args.max_new_tokens)
-            out += [ep_mod.strategy_of(ep_mod.completion_text(tok, c)) for c in comps]
+            out += [ep_mod.strategy_of(ep_mod.completion_text(tok, c, ep_mod.stop_ids(model, tok))) for c in comps]
         return [g.env.rule_agent_action(p, s) for g, p, s in zip(games_, who, out)]
 
     def score_of(player):

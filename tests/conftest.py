@@ -281,21 +281,21 @@ def base_fingerprint(model) -> str:
     return h.hexdigest()
 
 
-@pytest.fixture(scope="session")
-def random_llama_dir(tmp_path_factory) -> Path:
-    """A randomly initialised 2-layer Llama (hidden 64, untied head) and a small byte-level BPE tokenizer,
-    saved with `save_pretrained`: a stand-in for any hub checkpoint, built in about a second. The tokenizer
-    has a ChatML template and EOS `<|im_end|>` but deliberately NO pad token and right padding, so tests
-    can check what `load_policy` sets."""
+def _random_checkpoint(out: Path, arch: str, extra_stop: bool = False) -> Path:
+    """A randomly initialised 2-layer causal LM (hidden 64, untied head) of architecture `arch` and a small
+    byte-level BPE tokenizer with a ChatML template and EOS `<|im_end|>`, saved with `save_pretrained`.
+    `extra_stop`: the tokenizer also has `<|endoftext|>`, and the checkpoint's generation config carries the
+    traps of hub checkpoints: a repetition penalty, top-k, a temperature, sampling on, and both ids as EOS."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import (GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast,
+                              Qwen2Config, Qwen2ForCausalLM)
 
-    out = tmp_path_factory.mktemp("random_llama")
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|im_start|>", "<|im_end|>"],
+    specials = ["<|im_start|>", "<|im_end|>"] + (["<|endoftext|>"] if extra_stop else [])
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     corpus = ["push the box up to the target", "is it an animal? yes. is it a tool? no.",
               "left right up down", "#####\n#P_B#\n#__T#\n#####"] * 20
@@ -306,12 +306,33 @@ def random_llama_dir(tmp_path_factory) -> Path:
                                   padding_side="right")
     tok.save_pretrained(out)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         tie_word_embeddings=False, bos_token_id=None, eos_token_id=tok.eos_token_id,
-                         pad_token_id=None)
-    LlamaForCausalLM(config).save_pretrained(out)
+    config_class, model_class = {"llama": (LlamaConfig, LlamaForCausalLM),
+                                 "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[arch]
+    config = config_class(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                          tie_word_embeddings=False, bos_token_id=None, eos_token_id=tok.eos_token_id,
+                          pad_token_id=None)
+    model = model_class(config)
+    if extra_stop:
+        stops = [tok.eos_token_id, tok.convert_tokens_to_ids("<|endoftext|>")]
+        model.generation_config = GenerationConfig(repetition_penalty=1.3, top_k=5, temperature=0.3,
+                                                   do_sample=True, eos_token_id=stops)
+    model.save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="session")
+def random_llama_dir(tmp_path_factory) -> Path:
+    """A random Llama checkpoint, a stand-in for any hub checkpoint, built in about a second. Its tokenizer
+    deliberately has NO pad token and right padding, so tests can check what `load_policy` sets."""
+    return _random_checkpoint(tmp_path_factory.mktemp("random_llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def random_qwen2_dir(tmp_path_factory) -> Path:
+    """A random Qwen2 checkpoint whose generation config carries a repetition penalty, other sampling
+    defaults and two EOS ids, as hub instruct checkpoints do."""
+    return _random_checkpoint(tmp_path_factory.mktemp("random_qwen2"), "qwen2", extra_stop=True)
 
 
 def random_policy_wins(env, episodes: int, seed: int = 0, actions=None) -> tuple[int, int]:

@@ -14,7 +14,7 @@ import torch
 from conftest import REPO
 
 METHODS = ["graphgpo.py", "istar.py", "delta_belief.py", "aria.py", "epo.py"]
-SHARED = ["Sample", "render_prompt", "encode", "completion_text", "CommonNoise", "SampledLogprobs", "merged_lora",
+SHARED = ["Sample", "render_prompt", "encode", "stop_ids", "completion_text", "CommonNoise", "SampledLogprobs", "merged_lora",
           "generate", "completion_logprobs",
           "mean_se", "Logger", "start_run", "eval_line", "write_summary", "seed_everything", "fill_defaults",
           "run_size",
@@ -273,3 +273,69 @@ def test_static_cache_generates_the_same_tokens_for_any_batch_size(random_llama_
     assert len(rows) == len(kept) == 5
     for b, r in enumerate(rows):
         assert kept[b].shape == (len(r),) and torch.allclose(kept[b], lp[b, lp.shape[1] - len(r):], atol=1e-5)
+
+
+def test_the_checkpoints_generation_config_does_not_reach_sampling(random_qwen2_dir):
+    """The checkpoint's generation config asks for a repetition penalty of 1.3, top-k 5, temperature 0.3
+    and sampling: none of it may reshape the policy's distribution. Sampled turns keep the log-probs a
+    forward of the policy gives, and greedy turns pick the forward's argmax at every token (a repetition
+    penalty would move both)."""
+    import graphgpo as g
+    from common.models import load_policy
+
+    model, tok = load_policy(str(random_qwen2_dir), load_in_4bit=False, lora_r=4, lora_alpha=8, device="cpu")
+    assert model.generation_config.repetition_penalty == 1.3  # the trap is there
+    prompts = [g.encode(tok, t) for t in ["push push push the box", "is it is it an animal?", "left left"]]
+    torch.manual_seed(0)
+    rows, kept = g.generate(model, tok, prompts, 1.0, 12, logprobs=True)
+    lp, _ = g.completion_logprobs(model, tok, prompts, rows)
+    for b, r in enumerate(rows):
+        assert torch.allclose(kept[b], lp[b, lp.shape[1] - len(r):], atol=1e-5)
+    greedy = g.generate(model, tok, prompts, 1.0, 12, greedy=True)
+    for p, r in zip(prompts, greedy):
+        logits = model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1:-1]
+        assert logits.argmax(-1).tolist() == r
+    assert model.generation_config.repetition_penalty == 1.3  # restored after sampling
+
+
+def test_a_turn_ends_at_any_stop_id_the_checkpoint_lists(random_qwen2_dir):
+    """A turn ends at the first id of the tokenizer's EOS or the checkpoint's generation_config.eos_token_id
+    list (Llama 3's <|eot_id|> beside <|end_of_text|>), and the env then reads its text; a turn without
+    one was cut and reads as ""."""
+    import graphgpo as g
+    from common.models import load_policy
+
+    model, tok = load_policy(str(random_qwen2_dir), load_in_4bit=False, lora_r=4, lora_alpha=8, device="cpu")
+    other = tok.convert_tokens_to_ids("<|endoftext|>")
+    assert g.stop_ids(model, tok) == {tok.eos_token_id, other}
+    prompt = g.encode(tok, "push the box up")
+    free = g.generate(model, tok, [prompt], 1.0, 10, greedy=True)[0]
+    third = free[2]
+    assert third not in g.stop_ids(model, tok)
+    model.generation_config.eos_token_id = [tok.eos_token_id, third]  # the greedy turn's third token ends it
+    cut = g.generate(model, tok, [prompt], 1.0, 10, greedy=True)[0]
+    assert cut == free[: free.index(third) + 1]
+    stops = g.stop_ids(model, tok)
+    assert g.completion_text(tok, cut, stops) == tok.decode(cut, skip_special_tokens=True) != ""
+    assert g.completion_text(tok, cut[:-1], stops) == ""  # no stop id: cut at max_new_tokens
+    assert g.completion_text(tok, [5, 6, other], {tok.eos_token_id, other}) == tok.decode([5, 6])
+
+
+def test_a_template_without_system_role_gets_the_system_text_in_the_first_user_turn(random_llama_dir):
+    """Gemma's template raises on a system message: the prompt then opens the first user turn with the
+    system text; a template that accepts it renders the messages as they are."""
+    import graphgpo as g
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(random_llama_dir)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Move?"},
+                {"role": "assistant", "content": "up"}, {"role": "user", "content": "Again?"}]
+    as_is = g.render_prompt(tok, messages)
+    assert as_is.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nMove?")
+    tok.chat_template = ("{%- if messages[0]['role'] == 'system' -%}{{ raise_exception('System role not "
+                         "supported') }}{%- endif -%}" + tok.chat_template)
+    folded = g.render_prompt(tok, messages)
+    assert folded == ("<|im_start|>user\nBe brief.\n\nMove?<|im_end|>\n<|im_start|>assistant\nup<|im_end|>\n"
+                      "<|im_start|>user\nAgain?<|im_end|>\n<|im_start|>assistant\n")
+    with pytest.raises(Exception):  # nothing to fold: the template's own error
+        g.render_prompt(tok, [{"role": "system", "content": "only a system turn"}])
