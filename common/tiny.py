@@ -180,7 +180,7 @@ ENV_OVERRIDES: dict[str, dict] = {
 
 
 # The sampling temperature at which RL on a tiny policy has room to improve it, through
-# `common.models.policy_defaults` (default preset only; envs not listed: 1.0; delta_belief.py reads it,
+# `common.models.policy_prompt_options` (default preset only; envs not listed: 1.0; delta_belief.py reads it,
 # aria.py still samples at 1.0 unless told). It is not part of a recipe: the build is the same, only how
 # it is sampled differs. Twenty Questions: the compound-secret policy plays its test secrets well greedily
 # (0.94) and sampled at 1.0 (0.91), which leaves RL little room; at 1.5 it wins 0.54 of sampled games with
@@ -792,6 +792,18 @@ SHIPPED_DIR = Path(os.environ.get("CREDIT_TINY_WEIGHTS") or Path(__file__).resol
 MANIFEST = "MANIFEST.json"
 # Every file of a build is shipped and checked; a build without these is not a checkpoint.
 SHIPPED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "tiny_meta.json")
+
+
+class UserError(Exception):
+    """A problem with what the user asked for (bad flag value, unknown env, missing model), for all of
+    common/ (`common.models` re-exports it). Scripts catch it in their main and exit with
+    `sys.exit(f"error: {e}")`: one line, no traceback."""
+
+
+def _first_line(e: BaseException) -> str:
+    """The first line of an exception's message (its type's name when it has none): for a UserError."""
+    text = str(e).strip()
+    return text.splitlines()[0].strip() if text else type(e).__name__
 
 
 class ShippedWeightsError(ValueError):

