@@ -6,7 +6,7 @@ env (`eval/` and, with --eval-env-id, `eval/ood_`), how the sampled test games w
 It runs delta_belief.py's own `main` with `evaluate` wrapped (`with_game_metrics`), so the run is the
 same as `python delta_belief.py` with the same flags (the sampled evaluation games draw their own
 common random numbers, and reading a belief samples nothing), plus these keys in every evaluation row
-of metrics.jsonl and summary.json (benchmarks/delta_belief_bench.py tabulates them):
+of metrics.jsonl and summary.json:
 
 - pass_at_{k}: the share of test targets won in any of their k = --eval-k sampled games
 - num_questions: questions per sampled game
