@@ -354,168 +354,6 @@ class Episode:
         self.success = bool(step.done and step.info.get("success", False))
 
 
-@dataclass
-class Sample:
-    """One training turn, what `update` consumes: the tokens the policy saw and wrote, where the
-    turn sits, and its credit (`compute_advantages` makes one per turn of every episode)."""
-
-    prompt: list  # prompt token ids, as rendered at sampling time
-    completion: list  # generated token ids (EOS included when emitted): exactly the trained tokens
-    group: int  # the group the turn's episode is compared within (the episodes of one task)
-    traj: int  # the episode
-    turn: int  # position of the turn in its episode: 0, 1, ...
-    adv: Any = 0.0  # the credit: advantage (or REINFORCE weight), a float or one per token
-    old: Optional[torch.Tensor] = None  # token log-probs under the sampling policy π_θold
-    ref: Optional[torch.Tensor] = None  # token log-probs under the reference policy (KL term)
-
-
-def render_prompt(tok, messages) -> str:
-    """The sampling-time prompt: the chat template with the generation prompt, as text. Thinking
-    off: a template that reads `enable_thinking` (Qwen3) opens the answer with an empty think block
-    instead of spending the token budget on thoughts; other templates ignore the variable. A template
-    that rejects a system message (Gemma) gets the system text at the head of the first user turn."""
-    kw = dict(tokenize=False, add_generation_prompt=True, enable_thinking=False)
-    try:
-        return tok.apply_chat_template(messages, **kw)
-    except Exception:  # noqa: BLE001 - jinja's TemplateError; retried once without a system turn
-        if not messages or messages[0]["role"] != "system" or len(messages) < 2:
-            raise
-        first = dict(messages[1], content=messages[0]["content"] + "\n\n" + messages[1]["content"])
-        return tok.apply_chat_template([first, *messages[2:]], **kw)
-
-
-def encode(tok, text: str) -> list:
-    return tok(text, add_special_tokens=False)["input_ids"]
-
-
-def stop_ids(model, tok) -> set:
-    """The ids that end a turn: the tokenizer's EOS and every id the checkpoint's generation config
-    lists (Llama 3's <|eot_id|>, Gemma's <end_of_turn>)."""
-    listed = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    listed = [] if listed is None else [listed] if isinstance(listed, int) else list(listed)
-    return {tok.eos_token_id, *listed} - {None}
-
-
-def completion_text(tok, completion, stops) -> str:
-    """The text the env reads from a completion: "" (an invalid action in every env) when it ends in
-    no stop id, i.e. it was cut at max_new_tokens, else the decoded text without special tokens."""
-    if not completion or completion[-1] not in stops:
-        return ""
-    return tok.decode(completion, skip_special_tokens=True)
-
-
-class CommonNoise:
-    """Temperature sampling by the Gumbel-max trick, argmax(logits / T + Gumbel noise), exactly a
-    sample of softmax(logits / T), with row b's noise at its i-th new token drawn from a generator
-    seeded by (*keys[b], i): two policies evaluated with the same keys play with common random
-    numbers, so their difference has a small SE (docs/learning.md, "Common random numbers")."""
-
-    def __init__(self, keys, temperature, width):
-        self.keys, self.temperature, self.width = keys, temperature, width
-
-    def __call__(self, input_ids, scores):
-        step = input_ids.shape[1] - self.width
-        seeds = [int(np.random.SeedSequence([*key, step]).generate_state(1, np.uint64)[0])
-                 for key in self.keys]
-        # drawn where the logits are: a GPU draws its own numbers, no vocabulary-wide copy per token
-        u = torch.stack([torch.rand(scores.shape[-1], dtype=torch.float64, device=scores.device,
-                                    generator=torch.Generator(scores.device).manual_seed(seed))
-                         for seed in seeds])
-        return scores / self.temperature - torch.log(-torch.log(u)).to(scores.dtype)
-
-
-class SampledLogprobs:
-    """Temperature sampling as generate's own sampler draws it (softmax(logits / T), one
-    torch.multinomial per row: the same tokens for the same torch seed), keeping each drawn token's
-    log-prob: π_θold's log-probs of the turn, which `update` then need not recompute."""
-
-    def __init__(self, temperature):
-        self.temperature, self.steps = temperature, []
-
-    def __call__(self, input_ids, scores):
-        scaled = scores / self.temperature
-        token = torch.multinomial(torch.softmax(scaled, dim=-1), num_samples=1)
-        # log p = z[token] - logsumexp(z), as `completion_logprobs` scores; kept on the device
-        self.steps.append(scaled.gather(-1, token)[:, 0] - torch.logsumexp(scaled, dim=-1))
-        return torch.full_like(scores, -math.inf).scatter_(-1, token, 0.0)  # argmax picks `token`
-
-
-@contextlib.contextmanager
-def merged_lora(model):
-    """The active LoRA adapter merged into its fp32 base weights while sampling or scoring without
-    gradient (one matmul per layer instead of three: ~40% less time per turn on the tiny policy),
-    the weights copied back exactly afterwards (peft's unmerge leaves ~1e-8 of drift). Not merged:
-    a disabled adapter (the base model runs), bf16 or 4-bit weights (merging would round them)."""
-    layers = [m for m in model.modules() if hasattr(m, "lora_A") and m.active_adapters
-              and not m.disable_adapters and not m.merged
-              and m.get_base_layer().weight.dtype == torch.float32]
-    saved = [m.get_base_layer().weight.detach().clone() for m in layers]
-    for m in layers:
-        m.merge()
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for m, w in zip(layers, saved):
-                m.unmerge()
-                m.get_base_layer().weight.copy_(w)
-
-
-@torch.no_grad()
-def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False, noise_keys=None,
-             logprobs=False):
-    """One batched generate (left padding, stop at any `stop_ids`, LoRA merged, the checkpoint's own
-    sampling settings off); temperature <= 0 is greedy. `noise_keys` (one tuple of non-negative ints per row): sample with `CommonNoise`
-    instead (evaluation). Returns completion id lists: each row up to and including its first EOS,
-    or all `max_new_tokens` tokens when it has none (every one was sampled, even one equal to pad);
-    with `logprobs`, also each row's token log-probs (None where not drawn by `SampledLogprobs`)."""
-    if not prompt_ids:
-        return ([], []) if logprobs else []
-    n = len(prompt_ids)
-    if getattr(getattr(model, "generation_config", None), "cache_implementation", None) == "static":
-        # --static-cache: one cache shape per power of two (what torch.compile would reuse): pad
-        # with copies of row 0, dropped below (sampled rows then draw other torch random numbers)
-        extra = (1 << (n - 1).bit_length()) - n
-        prompt_ids = list(prompt_ids) + [prompt_ids[0]] * extra
-        noise_keys = None if noise_keys is None else list(noise_keys) + [noise_keys[0]] * extra
-    device = next(model.parameters()).device
-    pad, stops = tok.pad_token_id, stop_ids(model, tok)
-    width = max(len(p) for p in prompt_ids)
-    input_ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompt_ids],
-                             dtype=torch.long, device=device)
-    attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids],
-                             dtype=torch.long, device=device)
-    sample, recorder = not greedy and temperature > 0, None
-    if sample and noise_keys is not None:  # argmax of logits / T + each row's own Gumbel noise
-        kw = dict(do_sample=False, logits_processor=[CommonNoise(noise_keys, temperature, width)])
-    elif sample:  # true temperature sampling (no top-k or top-p), the log-probs kept
-        recorder = SampledLogprobs(temperature)
-        kw = dict(do_sample=False, logits_processor=[recorder])
-    else:
-        kw = dict(do_sample=False)
-    # generate would apply the checkpoint's generation config (Qwen2.5's repetition penalty, top-k)
-    # even with do_sample=False: a clean one keeps the samples the policy's own
-    from transformers import GenerationConfig
-
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    own = inner.generation_config
-    inner.generation_config = GenerationConfig(cache_implementation=own.cache_implementation)
-    try:
-        with merged_lora(model):
-            out = model.generate(input_ids=input_ids, attention_mask=attention, pad_token_id=pad,
-                                 eos_token_id=sorted(stops), max_new_tokens=max_new_tokens, **kw)
-    finally:
-        inner.generation_config = own
-    rows = [next((r[:i + 1] for i, t in enumerate(r) if t in stops), r)
-            for r in out[:n, width:].tolist()]
-    if not logprobs:
-        return rows
-    if recorder is None or not recorder.steps:  # not drawn by the recorder: `update` recomputes
-        return rows, [None] * len(rows)
-    steps = torch.stack(recorder.steps, dim=1).float().cpu()  # one copy, not one per token
-    return rows, [steps[b, :len(r)] for b, r in enumerate(rows)]
-
-
 def start_games(new_env, task_ids, group_ids, max_turns=None):
     """A fresh env per task id, reset, and its Episode (`max_turns`: another question budget)."""
     envs_, episodes = [], []
@@ -599,7 +437,7 @@ def compute_advantages(episodes, args, signal=None):
 
 
 # ----------------------------------------------------------------------------------------------
-# 4. Log-probs and loss
+# 4. Model-side signal, loss and update
 # ----------------------------------------------------------------------------------------------
 # The belief b_t (the kernel's log_beliefs) is a scoring forward pass like the loss's: the log-prob
 # of the secret's tokens in an elicitation message, through `completion_logprobs`.
@@ -662,46 +500,6 @@ def elicit_beliefs(model, tok, messages_list, targets, template="Is it '{target}
                 out.append(float((row * torch.tensor(mask, dtype=row.dtype).to(row.device)).sum()))
     model.train(was_training)
     return np.asarray(out, dtype=np.float64)
-
-
-def completion_logprobs(model, tok, prompt_ids, completion_ids, temperature=1.0):
-    """Per-token log-probs of the completions given the prompts, under softmax(logits / T), the
-    sampling distribution: one left-padded forward with the active adapter (docs/design.md, "Shared
-    blocks"). Returns (logp [B, C], mask [B, C]), C the longest completion, completions
-    right-aligned (row i's tokens are its last len(completion_i) columns; an empty one: zeros)."""
-    device = next(model.parameters()).device
-    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    seqs = [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids)]
-    width = max(len(s) for s in seqs)
-    C = max(1, max(len(c) for c in completion_ids))
-    input_ids = torch.tensor([[pad] * (width - len(s)) + s for s in seqs], dtype=torch.long,
-                             device=device)
-    attention = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs],
-                             dtype=torch.long, device=device)
-    mask = torch.tensor([[0.0] * (C - len(c)) + [1.0] * len(c) for c in completion_ids],
-                        device=device)
-    # positions count real tokens only, as in generate: left padding then changes no log-prob
-    position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
-    # the logits at positions width-C-1 .. width-2 predict the last C tokens (the completions)
-    logits = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
-                   logits_to_keep=C + 1).logits[:, :-1].float()
-    if temperature > 0 and temperature != 1.0:  # temperature <= 0 (greedy) scores the raw logits
-        logits = logits / temperature
-    targets = input_ids[:, width - C:]
-    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-    return logp * mask, mask
-
-
-def _padded(samples, key, C, device):
-    """Right-aligned [B, C] tensor of the samples' per-token vectors `key`, zeros on the left."""
-    rows = [getattr(x, key).to(device) for x in samples]
-    return torch.stack([F.pad(r, (C - len(r), 0)) for r in rows])
-
-
-def seq_len(sample) -> int:
-    """Prompt plus completion tokens: micro-batches of similar lengths pad little (a turn's prompt
-    grows with the history it shows, so a random micro-batch pads to its longest turn)."""
-    return len(sample.prompt) + len(sample.completion)
 
 
 @torch.no_grad()
@@ -863,41 +661,8 @@ def evaluate(model, tok, new_env, tasks, args, prefix, belief_message, best_of_n
     return row, records
 
 
-def mean_se(values) -> tuple[float, float]:
-    """Mean and standard error (scipy.stats.sem: sample std / sqrt(n); 0 for fewer than two values)
-    of per-episode values; for success flags the rate p and about sqrt(p (1 - p) / n)."""
-    x = np.asarray(values, dtype=np.float64)
-    if x.size < 2:
-        return (float(x.mean()) if x.size else 0.0), 0.0
-    return float(x.mean()), float(scipy.stats.sem(x))
-
-
-def eval_line(it, ev):
-    """An evaluation as one short line: each metric that has a standard error, as value ± SE."""
-    return f"eval @ iteration {it}: " + ", ".join(
-        f"{k.removeprefix('eval/')} {v:.3f} ± {ev[k + '_se']:.3f}" for k, v in ev.items()
-        if k + "_se" in ev and "_vs_" not in k)
-
-
-def write_summary(run_dir, args, wall_seconds, first_eval, last_eval, metric, **extra):
-    """summary.json (the first and last evaluation, `extra`) and the main metric before -> after;
-    the change's SE pairs the episodes when both evaluations played the same ones (CommonNoise)."""
-    summary = {"run_dir": str(run_dir), "iterations": args.num_iterations, "metric": metric,
-               "wall_seconds": wall_seconds, "first_eval": first_eval, "last_eval": last_eval,
-               **extra}
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    a, b = first_eval.get(metric + "_episodes"), last_eval.get(metric + "_episodes")
-    se = (first_eval.get(metric + "_se", 0.0), last_eval.get(metric + "_se", 0.0))
-    paired = a is not None and b is not None and len(a) == len(b) > 1
-    change_se = mean_se(np.subtract(b, a))[1] if paired else math.hypot(*se)
-    print(f"{metric}: {first_eval[metric]:.3f} ± {se[0]:.3f} before -> {last_eval[metric]:.3f} ± "
-          f"{se[1]:.3f} after ({last_eval[metric] - first_eval[metric]:+.3f} ± {change_se:.3f}"
-          f"{', paired' if paired else ''}), {wall_seconds / 60:.1f} min; run dir {run_dir}")
-    return summary
-
-
 # ----------------------------------------------------------------------------------------------
-# 6. Logging, checkpoints and the main loop
+# 6. Main loop
 # ----------------------------------------------------------------------------------------------
 def env_factory(env_id, kw, max_turns, what):
     """`new_env` of `env_id` with options `kw`, and a probe instance; user errors (an unknown env
@@ -989,115 +754,6 @@ def fill_defaults(args, values):
     """`args` with each option left at None set from `values` (PRESETS, the policy's defaults)."""
     return dataclasses.replace(args, **{k: v for k, v in values.items()
                                         if getattr(args, k) is None})
-
-
-def seed_everything(seed):
-    """Seeds python, numpy and torch; returns the numpy generator of the run's tasks and batches."""
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    return np.random.default_rng(seed)
-
-
-def resumed_args(args):
-    """--resume RUN_DIR: the arguments that run started with (its config.json), to go on with it."""
-    from common.models import UserError
-
-    run_dir = Path(args.resume)
-    if not (run_dir / "checkpoint.pt").is_file():
-        raise UserError(f"--resume {run_dir}: no checkpoint.pt there (a run writes one every "
-                        "--checkpoint-every iterations); pass a run that reached its first one")
-    saved = json.loads((run_dir / "config.json").read_text())
-    names = {f.name for f in dataclasses.fields(args)} - {"resume"}
-    return dataclasses.replace(args, **{k: v for k, v in saved.items() if k in names})
-
-
-def start_run(args, extra):
-    """The run directory, its config.json (every Args field as resolved, and `extra`), a Logger.
-    With --resume: the run's own directory, its config.json as written when it started."""
-    if args.resume:
-        print(f"run dir: {args.resume} (resumed)")
-        return Path(args.resume), Logger(Path(args.resume), args.track)
-    name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_dir = Path(args.output_dir) / name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    print(f"run dir: {run_dir}")
-    (run_dir / "config.json").write_text(json.dumps({**asdict(args), **extra}, indent=2))
-    return run_dir, Logger(run_dir, args.track)
-
-
-class Logger:
-    """metrics.jsonl (one row per iteration; NaN and inf are written as null, so every line is valid
-    JSON), samples.jsonl (decoded episodes) and, with --track, TensorBoard scalars."""
-
-    def __init__(self, run_dir: Path, track: bool):
-        self.f = open(run_dir / "metrics.jsonl", "a")
-        self.samples = open(run_dir / "samples.jsonl", "a")
-        self.tb = None
-        if track:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-                self.tb = SummaryWriter(str(run_dir / "tb"))
-            except Exception:  # noqa: BLE001 - optional extra
-                print("--track: tensorboard is not installed; logging to metrics.jsonl only")
-
-    def log(self, it: int, row: dict):
-        row = {k: None if isinstance(v, float) and not math.isfinite(v) else v
-               for k, v in row.items()}
-        self.f.write(json.dumps({"iteration": it, **row}) + "\n")
-        self.f.flush()
-        if self.tb:
-            for k, v in row.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool):
-                    self.tb.add_scalar(k, v, it)
-
-    def log_samples(self, it: int, records: list):
-        for r in records:
-            self.samples.write(json.dumps({"iteration": it, **r}, default=str) + "\n")
-        self.samples.flush()
-
-
-def save_adapter(model, run_dir: Path):
-    model.save_pretrained(str(run_dir / "adapter"))
-
-
-def save_checkpoint(run_dir: Path, it, model, optimizers, rng, evals, extra=None):
-    """checkpoint.pt: what --resume needs to go on after iteration `it` as if the run had not
-    stopped (every LoRA tensor, the optimizers, RNG states, evaluations, the method's state)."""
-    state = {"iteration": it, "evals": evals, "extra": extra,
-             "lora": {n: p.detach().cpu().clone() for n, p in model.named_parameters()
-                      if "lora_" in n},
-             "optimizers": {k: opt.state_dict() for k, opt in optimizers.items()},
-             "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
-                     "torch": torch.get_rng_state(), "run": rng.bit_generator.state,
-                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}
-    torch.save(state, run_dir / "checkpoint.pt.tmp")
-    Path(run_dir / "checkpoint.pt.tmp").replace(run_dir / "checkpoint.pt")  # never half a file
-
-
-def load_checkpoint(run_dir: Path, model, optimizers, rng):
-    """Restore what save_checkpoint wrote and drop the log lines of later iterations (a killed run
-    may have logged some). Returns (iteration, evals, extra)."""
-    ck = torch.load(run_dir / "checkpoint.pt", map_location="cpu", weights_only=False)
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, tensor in ck["lora"].items():
-            params[name].copy_(tensor)
-    for k, opt in optimizers.items():
-        opt.load_state_dict(ck["optimizers"][k])
-    r = ck["rng"]
-    random.setstate(r["python"])
-    np.random.set_state(r["numpy"])
-    torch.set_rng_state(r["torch"])
-    if r["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(r["cuda"])
-    rng.bit_generator.state = r["run"]
-    for log in ("metrics.jsonl", "samples.jsonl"):
-        lines = (run_dir / log).read_text().splitlines() if (run_dir / log).is_file() else []
-        kept = [line for line in lines
-                if line.strip() and json.loads(line)["iteration"] <= ck["iteration"]]
-        (run_dir / log).write_text("".join(line + "\n" for line in kept))
-    return ck["iteration"], ck["evals"], ck["extra"]
 
 
 def main(args: Args):
@@ -1197,6 +853,349 @@ def main(args: Args):
         save_adapter(model, run_dir)
     return write_summary(run_dir, args, time.time() - t_start, first_eval, last_eval,
                          "eval/success")
+
+
+# ----------------------------------------------------------------------------------------------
+# Utilities: the same text in all five files (tests/test_shared_blocks.py); a first read
+# skips them: defaults, prompts and sampling, log-probs, statistics, logging, checkpoints
+# ----------------------------------------------------------------------------------------------
+def with_defaults(args):
+    """`args` with each option left at None set: from the policy where it fixes one (a shipped
+    policy's token budget, temperature), else from the model's DEFAULTS row ("*": no own row)."""
+    from common.models import policy_kind, policy_prompt_options
+
+    kind = policy_kind(args.model_name)
+    row = DEFAULTS.get(kind, DEFAULTS["*"])
+    unset = {f.name for f in dataclasses.fields(args) if getattr(args, f.name) is None}
+    fill = lambda a, values: dataclasses.replace(  # noqa: E731 - only the options left at None
+        a, **{k: v for k, v in values.items() if v is not None and getattr(a, k) is None})
+    args = fill(args, {"env_id": row["env_id"]})
+    policy = policy_prompt_options(args.model_name, args.env_id, args.tiny_preset)
+    args = fill(fill(args, {"max_new_tokens": policy.max_new_tokens,
+                            "temperature": policy.temperature}), row)
+    taken = [f"{k}={v}" for k, v in row.items() if k in unset and getattr(args, k) == v]
+    if taken and kind != "tiny":  # a real model: say what its row sets
+        tqdm.write(f"{args.model_name}: {', '.join(taken)} (DEFAULTS, row "
+                   f"{kind if kind in DEFAULTS else '*'!r})")
+    return args
+
+
+@dataclass
+class Sample:
+    """One training turn, what `update` consumes (`compute_advantages` makes one per turn)."""
+
+    prompt: list  # prompt token ids, as rendered at sampling time
+    completion: list  # generated token ids (EOS included when emitted): exactly the trained tokens
+    group: int  # the group the turn's episode is compared within (the episodes of one task)
+    traj: int  # the episode
+    turn: int  # position of the turn in its episode: 0, 1, ...
+    adv: Any = 0.0  # the credit: advantage (or REINFORCE weight), a float or one per token
+    old: Optional[torch.Tensor] = None  # token log-probs under the sampling policy π_θold
+    ref: Optional[torch.Tensor] = None  # token log-probs under the reference policy (KL term)
+
+
+def render_prompt(tok, messages) -> str:
+    """The chat template with the generation prompt, thinking off (Qwen3); a template that rejects
+    a system turn (Gemma) gets the system text at the head of the first user turn."""
+    kw = dict(tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    try:
+        return tok.apply_chat_template(messages, **kw)
+    except Exception:  # noqa: BLE001 - jinja's TemplateError; retried once without a system turn
+        if not messages or messages[0]["role"] != "system" or len(messages) < 2:
+            raise
+        first = dict(messages[1], content=messages[0]["content"] + "\n\n" + messages[1]["content"])
+        return tok.apply_chat_template([first, *messages[2:]], **kw)
+
+
+def encode(tok, text: str) -> list:
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def stop_ids(model, tok) -> set:
+    """The ids that end a turn: the tokenizer's EOS and every id the checkpoint's generation config
+    lists (Llama 3's <|eot_id|>, Gemma's <end_of_turn>)."""
+    listed = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    listed = [] if listed is None else [listed] if isinstance(listed, int) else list(listed)
+    return {tok.eos_token_id, *listed} - {None}
+
+
+def completion_text(tok, completion, stops) -> str:
+    """The text the env reads: "" (an invalid action in every env) for a completion cut at
+    max_new_tokens (no stop id at its end), else the decoded text without special tokens."""
+    if not completion or completion[-1] not in stops:
+        return ""
+    return tok.decode(completion, skip_special_tokens=True)
+
+
+class CommonNoise:
+    """Sampling by the Gumbel-max trick, argmax(logits / T + noise), row b's noise at new token i
+    seeded by (*keys[b], i): policies evaluated with the same keys share random numbers."""
+
+    def __init__(self, keys, temperature, width):
+        self.keys, self.temperature, self.width = keys, temperature, width
+
+    def __call__(self, input_ids, scores):
+        step = input_ids.shape[1] - self.width
+        seeds = [int(np.random.SeedSequence([*key, step]).generate_state(1, np.uint64)[0])
+                 for key in self.keys]
+        u = torch.stack([torch.rand(scores.shape[-1], dtype=torch.float64, device=scores.device,
+                                    generator=torch.Generator(scores.device).manual_seed(seed))
+                         for seed in seeds])  # drawn where the logits are
+        return scores / self.temperature - torch.log(-torch.log(u)).to(scores.dtype)
+
+
+class SampledLogprobs:
+    """Sampling from softmax(logits / T) as generate's sampler draws it, keeping each drawn token's
+    log-prob: π_θold's log-probs, which `update` then need not recompute."""
+
+    def __init__(self, temperature):
+        self.temperature, self.steps = temperature, []
+
+    def __call__(self, input_ids, scores):
+        scaled = scores / self.temperature
+        token = torch.multinomial(torch.softmax(scaled, dim=-1), num_samples=1)
+        self.steps.append(scaled.gather(-1, token)[:, 0] - torch.logsumexp(scaled, dim=-1))
+        return torch.full_like(scores, -math.inf).scatter_(-1, token, 0.0)  # argmax picks `token`
+
+
+@contextlib.contextmanager
+def merged_lora(model):
+    """The active LoRA adapter merged into fp32 base weights while sampling (~40% less time per turn
+    on a CPU), the weights copied back exactly afterwards; bf16 and 4-bit weights are not merged."""
+    layers = [m for m in model.modules() if hasattr(m, "lora_A") and m.active_adapters
+              and not m.disable_adapters and not m.merged
+              and m.get_base_layer().weight.dtype == torch.float32]
+    saved = [m.get_base_layer().weight.detach().clone() for m in layers]
+    for m in layers:
+        m.merge()
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for m, w in zip(layers, saved):
+                m.unmerge()
+                m.get_base_layer().weight.copy_(w)
+
+
+@torch.no_grad()
+def generate(model, tok, prompt_ids, temperature, max_new_tokens, greedy=False, noise_keys=None,
+             logprobs=False):
+    """One batched, left-padded generate; each row up to its first stop id (or max_new_tokens
+    tokens). `noise_keys`: sample with CommonNoise; `logprobs`: also the sampled log-probs."""
+    if not prompt_ids:
+        return ([], []) if logprobs else []
+    n = len(prompt_ids)
+    if getattr(getattr(model, "generation_config", None), "cache_implementation", None) == "static":
+        # --static-cache: one cache shape per power of two, padded with copies of row 0
+        extra = (1 << (n - 1).bit_length()) - n
+        prompt_ids = list(prompt_ids) + [prompt_ids[0]] * extra
+        noise_keys = None if noise_keys is None else list(noise_keys) + [noise_keys[0]] * extra
+    device = next(model.parameters()).device
+    pad, stops = tok.pad_token_id, stop_ids(model, tok)
+    width = max(len(p) for p in prompt_ids)
+    input_ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompt_ids],
+                             dtype=torch.long, device=device)
+    attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids],
+                             dtype=torch.long, device=device)
+    recorder, processors = None, []
+    if not greedy and temperature > 0 and noise_keys is not None:
+        processors = [CommonNoise(noise_keys, temperature, width)]
+    elif not greedy and temperature > 0:  # temperature sampling (no top-k or top-p)
+        processors = [recorder := SampledLogprobs(temperature)]
+    # the checkpoint's own generation config (a repetition penalty, top-k) would reshape the
+    # samples even with do_sample=False: a clean one while generating
+    from transformers import GenerationConfig
+
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    own = inner.generation_config
+    inner.generation_config = GenerationConfig(cache_implementation=own.cache_implementation)
+    try:
+        with merged_lora(model):
+            out = model.generate(input_ids=input_ids, attention_mask=attention, pad_token_id=pad,
+                                 eos_token_id=sorted(stops), max_new_tokens=max_new_tokens,
+                                 do_sample=False, logits_processor=processors)
+    finally:
+        inner.generation_config = own
+    rows = [next((r[:i + 1] for i, t in enumerate(r) if t in stops), r)
+            for r in out[:n, width:].tolist()]
+    if not logprobs:
+        return rows
+    if recorder is None or not recorder.steps:  # not drawn by the recorder: `update` recomputes
+        return rows, [None] * len(rows)
+    steps = torch.stack(recorder.steps, dim=1).float().cpu()  # one copy, not one per token
+    return rows, [steps[b, :len(r)] for b, r in enumerate(rows)]
+
+
+def completion_logprobs(model, tok, prompt_ids, completion_ids, temperature=1.0):
+    """Token log-probs of the completions under softmax(logits / T), one left-padded forward.
+    Returns (logp [B, C], mask [B, C]), completions right-aligned (C: the longest)."""
+    device = next(model.parameters()).device
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    seqs = [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids)]
+    width = max(len(s) for s in seqs)
+    C = max(1, max(len(c) for c in completion_ids))
+    input_ids = torch.tensor([[pad] * (width - len(s)) + s for s in seqs], dtype=torch.long,
+                             device=device)
+    attention = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs],
+                             dtype=torch.long, device=device)
+    mask = torch.tensor([[0.0] * (C - len(c)) + [1.0] * len(c) for c in completion_ids],
+                        device=device)
+    position_ids = (attention.cumsum(-1) - 1).clamp(min=0)  # left padding changes no log-prob
+    # the logits at positions width-C-1 .. width-2 predict the last C tokens (the completions)
+    logits = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
+                   logits_to_keep=C + 1).logits[:, :-1].float()
+    if temperature > 0 and temperature != 1.0:  # temperature <= 0 (greedy) scores the raw logits
+        logits = logits / temperature
+    targets = input_ids[:, width - C:]
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    return logp * mask, mask
+
+
+def _padded(samples, key, C, device):
+    """Right-aligned [B, C] tensor of the samples' per-token vectors `key`, zeros on the left."""
+    rows = [getattr(x, key).to(device) for x in samples]
+    return torch.stack([F.pad(r, (C - len(r), 0)) for r in rows])
+
+
+def seq_len(sample) -> int:
+    """Prompt plus completion tokens: micro-batches of similar lengths pad little."""
+    return len(sample.prompt) + len(sample.completion)
+
+
+def mean_se(values) -> tuple[float, float]:
+    """Mean and standard error (sample std / sqrt(n); 0 for fewer than two values)."""
+    x = np.asarray(values, dtype=np.float64)
+    if x.size < 2:
+        return (float(x.mean()) if x.size else 0.0), 0.0
+    return float(x.mean()), float(scipy.stats.sem(x))
+
+
+def eval_line(it, ev):
+    """An evaluation as one short line: each metric that has a standard error, as value ± SE."""
+    return f"eval @ iteration {it}: " + ", ".join(
+        f"{k.removeprefix('eval/')} {v:.3f} ± {ev[k + '_se']:.3f}" for k, v in ev.items()
+        if k + "_se" in ev and "_vs_" not in k)
+
+
+def write_summary(run_dir, args, wall_seconds, first_eval, last_eval, metric, **extra):
+    """summary.json and the main metric before -> after; the change's SE pairs the episodes when
+    both evaluations played the same ones (CommonNoise)."""
+    summary = {"run_dir": str(run_dir), "iterations": args.num_iterations, "metric": metric,
+               "wall_seconds": wall_seconds, "first_eval": first_eval, "last_eval": last_eval,
+               **extra}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    a, b = first_eval.get(metric + "_episodes"), last_eval.get(metric + "_episodes")
+    se = (first_eval.get(metric + "_se", 0.0), last_eval.get(metric + "_se", 0.0))
+    paired = a is not None and b is not None and len(a) == len(b) > 1
+    change_se = mean_se(np.subtract(b, a))[1] if paired else math.hypot(*se)
+    print(f"{metric}: {first_eval[metric]:.3f} ± {se[0]:.3f} before -> {last_eval[metric]:.3f} ± "
+          f"{se[1]:.3f} after ({last_eval[metric] - first_eval[metric]:+.3f} ± {change_se:.3f}"
+          f"{', paired' if paired else ''}), {wall_seconds / 60:.1f} min; run dir {run_dir}")
+    return summary
+
+
+def seed_everything(seed):
+    """Seeds python, numpy and torch; returns the numpy generator of the run's tasks and batches."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    return np.random.default_rng(seed)
+
+
+def resumed_args(args):
+    """--resume RUN_DIR: the arguments that run started with (its config.json), to go on with it."""
+    from common.models import UserError
+
+    run_dir = Path(args.resume)
+    if not (run_dir / "checkpoint.pt").is_file():
+        raise UserError(f"--resume {run_dir}: no checkpoint.pt there (a run writes one every "
+                        "--checkpoint-every iterations); pass a run that reached its first one")
+    saved = json.loads((run_dir / "config.json").read_text())
+    names = {f.name for f in dataclasses.fields(args)} - {"resume"}
+    return dataclasses.replace(args, **{k: v for k, v in saved.items() if k in names})
+
+
+def start_run(args, extra):
+    """The run directory (with --resume, the run's own), its config.json and a Logger."""
+    run_dir = Path(args.resume or Path(args.output_dir) / (
+        f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"))
+    print(f"run dir: {run_dir}{' (resumed)' if args.resume else ''}")
+    if not args.resume:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps({**asdict(args), **extra}, indent=2))
+    return run_dir, Logger(run_dir, args.track)
+
+
+class Logger:
+    """metrics.jsonl (NaN and inf as null), samples.jsonl and, with --track, TensorBoard."""
+
+    def __init__(self, run_dir: Path, track: bool):
+        self.f = open(run_dir / "metrics.jsonl", "a")
+        self.samples = open(run_dir / "samples.jsonl", "a")
+        self.tb = None
+        if track:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self.tb = SummaryWriter(str(run_dir / "tb"))
+            except Exception:  # noqa: BLE001 - optional extra
+                print("--track: tensorboard is not installed; logging to metrics.jsonl only")
+
+    def log(self, it: int, row: dict):
+        row = {k: None if isinstance(v, float) and not math.isfinite(v) else v
+               for k, v in row.items()}
+        self.f.write(json.dumps({"iteration": it, **row}) + "\n")
+        self.f.flush()
+        for k, v in row.items() if self.tb else ():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                self.tb.add_scalar(k, v, it)
+
+    def log_samples(self, it: int, records: list):
+        self.samples.writelines(json.dumps({"iteration": it, **r}, default=str) + "\n"
+                                for r in records)
+        self.samples.flush()
+
+
+def save_adapter(model, run_dir: Path):
+    model.save_pretrained(str(run_dir / "adapter"))
+
+
+def save_checkpoint(run_dir: Path, it, model, optimizers, rng, evals, extra=None):
+    """checkpoint.pt: what --resume needs to go on after iteration `it` as if the run had not
+    stopped (every LoRA tensor, the optimizers, RNG states, evaluations, the method's state)."""
+    state = {"iteration": it, "evals": evals, "extra": extra,
+             "lora": {n: p.detach().cpu().clone() for n, p in model.named_parameters()
+                      if "lora_" in n},
+             "optimizers": {k: opt.state_dict() for k, opt in optimizers.items()},
+             "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
+                     "torch": torch.get_rng_state(), "run": rng.bit_generator.state,
+                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}
+    torch.save(state, run_dir / "checkpoint.pt.tmp")
+    Path(run_dir / "checkpoint.pt.tmp").replace(run_dir / "checkpoint.pt")  # never half a file
+
+
+def load_checkpoint(run_dir: Path, model, optimizers, rng):
+    """Restore what save_checkpoint wrote and drop the log lines of later iterations (a killed run
+    may have logged some). Returns (iteration, evals, extra)."""
+    ck = torch.load(run_dir / "checkpoint.pt", map_location="cpu", weights_only=False)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, tensor in ck["lora"].items():
+            params[name].copy_(tensor)
+    for k, opt in optimizers.items():
+        opt.load_state_dict(ck["optimizers"][k])
+    r = ck["rng"]
+    random.setstate(r["python"])
+    np.random.set_state(r["numpy"])
+    torch.set_rng_state(r["torch"])
+    if r["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(r["cuda"])
+    rng.bit_generator.state = r["run"]
+    for log in ("metrics.jsonl", "samples.jsonl"):
+        lines = (run_dir / log).read_text().splitlines() if (run_dir / log).is_file() else []
+        kept = [line for line in lines
+                if line.strip() and json.loads(line)["iteration"] <= ck["iteration"]]
+        (run_dir / log).write_text("".join(line + "\n" for line in kept))
+    return ck["iteration"], ck["evals"], ck["extra"]
 
 
 if __name__ == "__main__":

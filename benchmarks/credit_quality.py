@@ -379,11 +379,8 @@ def graphgpo_batch(cfg: Config, env_id: str = "sokoban", argv: Sequence[str] = (
 
     args = tyro.cli(gg.Args, args=["--env-id", env_id, "--seed", str(cfg.seed), "--group-size", str(cfg.group),
                                    "--tasks-per-iteration", str(cfg.tasks), *argv])
-    args = gg.run_size(args)  # the run-size options the flags leave at None
     rng = gg.seed_everything(cfg.seed)
-    new_env, probe, defaults, _ = gg.make_env(args)
-    args = gg.resolve_args(args, defaults)
-    gg.check_args(args)
+    args, new_env, probe, _ = gg.make_env(args)  # every option the flags leave at None, checked
     max_new = args.max_new_tokens
     model, tok = load_policy(args.model_name, env_id=env_id, tiny_preset=args.tiny_preset, load_in_4bit=False)
     train = list(probe.task_ids("train"))

@@ -240,7 +240,7 @@ def _resolve_policies_main(script: str, flag_sets_json: str) -> None:
         buf = io.StringIO()
         try:
             with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
-                args = mod.run_size(tyro.cli(mod.Args, args=flags))  # the run size the script will take
+                args = mod.with_defaults(tyro.cli(mod.Args, args=flags))  # the run size the script will take
         except SystemExit:
             lines = [ln.strip(" -│╭╮╰╯─") for ln in buf.getvalue().splitlines()]
             lines = [ln for ln in lines if ln and not ln.startswith("For full helptext")]  # tyro's box, as one line

@@ -213,6 +213,13 @@ def policy_prompt_options(model_name_or_path: str, env_id: str, tiny_preset: str
     return PromptOptions(False, False, {}, None, 1.0)
 
 
+def policy_kind(model_name_or_path: str) -> str:
+    """The row of a method file's DEFAULTS table a model takes: "tiny" for the tiny policy or a
+    directory holding one (tiny_meta.json), else its own name (a table without it: its "*" row)."""
+    name = str(model_name_or_path)
+    return "tiny" if name == "tiny" or (Path(name).expanduser() / "tiny_meta.json").is_file() else name
+
+
 TINY_LEARNING_RATE = 5e-4  # deprecated with `policy_defaults`: the method files' tables hold it
 
 

@@ -460,56 +460,54 @@ def test_tiny_goes_through_ensure_tiny(random_llama_dir, monkeypatch):
 # ----------------------------------------------------------------------------------------------
 # Model-dependent defaults, decided in one place for the five method files
 # ----------------------------------------------------------------------------------------------
-def test_policy_defaults_tiny_name_dir_and_real_model(tmp_path, random_llama_dir):
+def test_policy_prompt_options_and_kind_tiny_name_dir_and_real_model(tmp_path, random_llama_dir):
     import json
 
-    from common.models import TINY_LEARNING_RATE, policy_defaults
+    from common.models import policy_kind, policy_prompt_options
     from common.tiny import full_recipe
 
     envs = pytest.importorskip("envs")
     if "sokoban" not in envs.available():
         pytest.skip("envs/sokoban.py is not in this checkout")
     recipe = full_recipe("sokoban", "default")
-    tiny = policy_defaults("tiny", "sokoban", learning_rate=1e-5, max_new_tokens=512)
-    assert tiny.is_tiny and tiny.learning_rate == TINY_LEARNING_RATE == 5e-4
+    tiny = policy_prompt_options("tiny", "sokoban")
+    assert tiny.is_tiny and policy_kind("tiny") == "tiny"
     assert tiny.max_new_tokens == recipe["max_new_tokens"] == 4  # Sokoban's longest action: "right" + EOS
     assert tiny.env_kwargs == recipe["env_kwargs"] and tiny.env_kwargs  # e.g. no instruction text
 
-    # a tiny checkpoint directory gets the same defaults as "tiny" (its recipe is in tiny_meta.json)
+    # a tiny checkpoint directory is a tiny policy too (its recipe is in tiny_meta.json)
     d = tmp_path / "tiny_ckpt"
     d.mkdir()
     (d / "tiny_meta.json").write_text(json.dumps({"recipe": {"env_id": "sokoban", "env_kwargs": {"history": 0},
                                                              "max_new_tokens": 6}}))
-    local = policy_defaults(str(d), "sokoban", learning_rate=1e-5, max_new_tokens=512)
-    assert (local.is_tiny, local.env_kwargs, local.learning_rate, local.max_new_tokens) == (True, {"history": 0}, 5e-4, 6)
+    local = policy_prompt_options(str(d), "sokoban")
+    assert (local.is_tiny, local.env_kwargs, local.max_new_tokens, policy_kind(str(d))) == (
+        True, {"history": 0}, 6, "tiny")
     # ... but a tiny policy built for another env passes no env options
-    assert policy_defaults(str(d), "webshop", learning_rate=1e-5, max_new_tokens=512).env_kwargs == {}
+    assert policy_prompt_options(str(d), "webshop").env_kwargs == {}
 
-    # any other model (a hub id, a real checkpoint directory): the method's real-model values, no env options
+    # any other model (a hub id, a real checkpoint directory): no env options, no budget (the method's)
     for name in ("Qwen/Qwen2.5-0.5B-Instruct", str(random_llama_dir)):
-        real = policy_defaults(name, "sokoban", learning_rate=1e-5, max_new_tokens=512)
-        assert (real.is_tiny, real.env_kwargs, real.learning_rate, real.max_new_tokens) == (False, {}, 1e-5, 512)
-        assert not real.sft
-    # a SmolLM2 SFT directory (smollm2_meta.json): its recipe's prompts and budget, the real-model lr, `sft`
+        real = policy_prompt_options(name, "sokoban")
+        assert (real.is_tiny, real.sft, real.env_kwargs, real.max_new_tokens) == (False, False, {}, None)
+        assert policy_kind(name) == name
+    # a SmolLM2 SFT directory (smollm2_meta.json): its recipe's prompts and budget, `sft`
     s = tmp_path / "sft_ckpt"
     s.mkdir()
     (s / "smollm2_meta.json").write_text(json.dumps({"recipe": {"env_id": "sokoban", "env_kwargs": {"history": 1},
                                                                 "max_new_tokens": 9}}))
-    sft = policy_defaults(str(s), "sokoban", learning_rate=1e-5, max_new_tokens=512)
-    assert (sft.is_tiny, sft.sft, sft.env_kwargs, sft.learning_rate, sft.max_new_tokens) == (
-        False, True, {"history": 1}, 1e-5, 9)
+    sft = policy_prompt_options(str(s), "sokoban")
+    assert (sft.is_tiny, sft.sft, sft.env_kwargs, sft.max_new_tokens) == (False, True, {"history": 1}, 9)
     assert not tiny.sft
 
-    # a method's own tiny learning rate, and the tiny policy's RL temperature (1.0 unless its env is listed)
+    # the tiny policy's RL temperature (1.0 unless its env is listed; the micro preset: 1.0)
     assert tiny.temperature == 1.0 and real.temperature == 1.0
-    q = policy_defaults("tiny", "twenty_questions", learning_rate=3e-5, max_new_tokens=50, tiny_learning_rate=1e-4)
-    assert (q.learning_rate, q.temperature) == (1e-4, 1.5)
-    assert policy_defaults("tiny", "twenty_questions", "micro", learning_rate=3e-5, max_new_tokens=50).temperature == 1.0
-    assert policy_defaults("Qwen/Qwen3-1.7B", "twenty_questions", learning_rate=3e-5, max_new_tokens=50,
-                           tiny_learning_rate=1e-4).temperature == 1.0
+    assert policy_prompt_options("tiny", "twenty_questions").temperature == 1.5
+    assert policy_prompt_options("tiny", "twenty_questions", "micro").temperature == 1.0
+    assert policy_prompt_options("Qwen/Qwen3-1.7B", "twenty_questions").temperature == 1.0
 
     with pytest.raises(UserError) as e:
-        policy_defaults("tiny", "no_such_env", learning_rate=1e-5, max_new_tokens=512)
+        policy_prompt_options("tiny", "no_such_env")
     assert "no_such_env" in _one_line(e)
 
 

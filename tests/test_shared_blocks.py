@@ -16,8 +16,7 @@ from conftest import REPO
 METHODS = ["graphgpo.py", "istar.py", "delta_belief.py", "aria.py", "epo.py"]
 SHARED = ["Sample", "render_prompt", "encode", "stop_ids", "completion_text", "CommonNoise", "SampledLogprobs", "merged_lora",
           "generate", "completion_logprobs",
-          "mean_se", "Logger", "start_run", "eval_line", "write_summary", "seed_everything", "fill_defaults",
-          "run_size",
+          "mean_se", "Logger", "start_run", "eval_line", "write_summary", "seed_everything", "with_defaults",
           "resumed_args", "save_checkpoint", "load_checkpoint"]
 SHARED_WHERE_DEFINED = ["save_adapter", "_padded", "seq_len"]
 
@@ -45,7 +44,7 @@ def test_block_is_the_same_text_in_every_method_file(block):
     assert not drifted, f"{block} differs from graphgpo.py's in {drifted}"
 
 
-def test_mean_se_eval_line_and_fill_defaults_by_hand():
+def test_mean_se_and_eval_line_by_hand():
     import graphgpo as g
 
     # 4 successes of 10: p 0.4, sample std sqrt(0.4 * 0.6 * 10 / 9) = 0.516398, SE 0.163299
@@ -56,9 +55,6 @@ def test_mean_se_eval_line_and_fill_defaults_by_hand():
     ev = {"eval/success": 0.25, "eval/success_se": 0.05, "eval/return": 1.5, "eval/win_rate_Bob_vs_fair": 0.5,
           "eval/win_rate_Bob_vs_fair_se": 0.1, "eval/success_episodes": [0.0, 1.0]}
     assert g.eval_line(3, ev) == "eval @ iteration 3: success 0.250 ± 0.050"
-    args = g.Args(omega=0.3)  # given: kept; left at None: filled; a value that is not None is never replaced
-    filled = g.fill_defaults(args, {"omega": 0.8, "learning_rate": 1e-4, "max_new_tokens": 7, "clip_eps": 3})
-    assert (filled.omega, filled.learning_rate, filled.max_new_tokens, filled.clip_eps) == (0.3, 1e-4, 7, 0.2)
 
 
 # The tiny default run of every script, as it was before the run sizes moved into RUN_SIZES (the committed
@@ -78,23 +74,26 @@ SMOLLM2_ENV = {"graphgpo": "webshop", "istar": "webshop", "delta_belief": "twent
 
 
 @pytest.mark.parametrize("script", sorted(TINY_RUN))
-def test_run_size_fills_only_what_is_left_at_none(script, capsys):
+def test_with_defaults_fills_only_what_is_left_at_none(script, capsys):
     import importlib
 
     mod = importlib.import_module(script)
-    for model in ("tiny", "Qwen/Qwen2.5-1.5B-Instruct", "smollm2-135m-instruct"):  # no entry: the CPU default run
-        args = mod.run_size(mod.Args(model_name=model))
-        assert {k: getattr(args, k) for k in TINY_RUN[script]} == TINY_RUN[script]
-    assert capsys.readouterr().out == ""  # the default run prints no preset line
-    args = mod.run_size(mod.Args(model_name="smollm2-135m", num_iterations=3, env_id="alfworld"))
+    args = mod.with_defaults(mod.Args())  # the default run: the tiny row, nothing printed
+    assert {k: getattr(args, k) for k in TINY_RUN[script]} == TINY_RUN[script]
+    assert capsys.readouterr().out == ""
+    for model in ("Qwen/Qwen2.5-1.5B-Instruct", "smollm2-135m-instruct"):  # no own row: "*"
+        args = mod.with_defaults(mod.Args(model_name=model))
+        assert args.env_id == TINY_RUN[script]["env_id"] and args.max_new_tokens >= 50
+        assert "row '*'" in capsys.readouterr().out  # a real model's defaults are said
+    args = mod.with_defaults(mod.Args(model_name="smollm2-135m", num_iterations=3, env_id="alfworld"))
     assert (args.num_iterations, args.env_id) == (3, "alfworld")  # a flag given wins
-    assert "num_iterations" not in capsys.readouterr().out  # and is not announced as the preset's
-    args = mod.run_size(mod.Args(model_name="smollm2-135m"))
+    assert "num_iterations" not in capsys.readouterr().out  # and is not announced as the row's
+    args = mod.with_defaults(mod.Args(model_name="smollm2-135m"))
     assert args.env_id == SMOLLM2_ENV[script] and args.learning_rate == 1e-4
-    assert all(getattr(args, k) is not None for k in mod.RUN_SIZES["smollm2-135m"])
+    assert all(getattr(args, k) is not None for k in mod.DEFAULTS["smollm2-135m"])
     assert args.num_iterations < (TINY_RUN[script]["num_iterations"] or 8)  # a SmolLM2 iteration costs minutes
     assert f"env_id={SMOLLM2_ENV[script]}" in capsys.readouterr().out
-    mod.run_size(args)  # filled already (main, then make_env): nothing to say
+    assert mod.with_defaults(args) == args  # filled already: nothing changes, nothing to say
     assert capsys.readouterr().out == ""
 
 

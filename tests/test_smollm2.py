@@ -243,11 +243,11 @@ def test_prompt_is_smollm2_chat_template_with_instruct_format(smol_tok, script):
     import envs
 
     mod = _module(script)
-    args = mod.run_size(mod.Args(model_name="smollm2-135m-instruct"))  # the raw instruct model (no SFT adapter)
-    assert args.env_id == SCRIPTS[script]  # no entry in RUN_SIZES: the default run's env
-    new_env, probe, defaults, env_kwargs = mod.make_env(args)
-    # a real model: no tiny recipe options (the envs' full instruct prompts), the method's real-model defaults
-    assert not defaults.is_tiny and defaults.env_kwargs == {} and "instructions" not in env_kwargs
+    # the raw instruct model (no SFT adapter): no row of its own in DEFAULTS, so the "*" row's env
+    args, new_env, probe, env_kwargs = mod.make_env(mod.Args(model_name="smollm2-135m-instruct"))
+    assert args.env_id == SCRIPTS[script] and args.learning_rate == mod.DEFAULTS["*"]["learning_rate"]
+    # a real model: no tiny recipe options (the envs' full instruct prompts)
+    assert env_kwargs == {} and "instructions" not in env_kwargs
     task = probe.task_ids("test")[0]
     if script == "epo.py":  # the strategist's prompt: the game's rules under the instruct strategist's system prompt
         game = new_env(task, None)
@@ -337,7 +337,7 @@ def test_cut_completion_is_an_invalid_action(smol_tok, script):
     # (Twenty Questions: compound secrets), so its task ids are the run's; Negotiation: the plain env,
     # whose expert action is a move (EPO's probe takes strategies, moves='strategy')
     probe = (envs.make(env_id) if env_id in envs.TWO_PLAYER
-             else mod.make_env(mod.Args(model_name="smollm2-135m", env_id=env_id, **extra))[1])
+             else mod.make_env(mod.Args(model_name="smollm2-135m", env_id=env_id, **extra))[2])
     task = probe.task_ids("test")[0]
     if env_id in envs.TWO_PLAYER:
         g = envs.Seated(probe)
@@ -351,20 +351,20 @@ def test_cut_completion_is_an_invalid_action(smol_tok, script):
     extra = {**extra, "agent_max_new_tokens": budget} if script == "epo.py" else {}
     args = mod.Args(model_name="smollm2-135m", env_id=env_id, max_new_tokens=budget, **extra)
     if script in ("graphgpo.py", "istar.py"):
-        new_env, *_ = mod.make_env(args)
+        _, new_env, *_ = mod.make_env(args)
         eps = mod.rollout(policy, smol_tok, new_env, [task, task], [0, 0], 1.0, budget)
         first = [ep.invalid[0] for ep in eps]
         assert eps[1].actions[0] == f"<think>ok</think><action>{action}</action>\n"  # logged as written
     elif script == "delta_belief.py":
-        new_env, *_ = mod.make_env(args)
+        _, new_env, *_ = mod.make_env(args)
         eps = mod.rollout(policy, smol_tok, new_env, [task, task], [0, 0], args, 1.0, None, with_beliefs=False)
         first = [ep.invalid[0] for ep in eps]
     elif script == "aria.py":
-        new_env, *_ = mod.make_env(args)
+        _, new_env, *_ = mod.make_env(args)
         eps = mod.rollout(policy, smol_tok, new_env, [task, task], args, 1.0)
         first = [ep.steps[0]["invalid"] for ep in eps]
     else:  # EPO: the strategist's completion is read only when finished; the base agent's move likewise
-        new_env, *_ = mod.make_env(args)
+        _, new_env, *_ = mod.make_env(args)
         games = [new_env(task, None), new_env(task, None)]
         opener = [g.current_player for g in games]
         eps = mod.rollout(policy, smol_tok, games, args, 1.0, real=True)

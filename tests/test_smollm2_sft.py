@@ -194,12 +194,11 @@ def test_model_name_smollm2_starts_from_the_envs_adapter(shipped, micro_builds, 
     with torch.no_grad():
         want = sft(input_ids=ids).logits
     assert torch.allclose(ref, want, atol=1e-4)
-    defaults = models.policy_defaults("smollm2-135m", "bargaining", learning_rate=1e-5, max_new_tokens=512)
-    assert defaults.env_kwargs["system_prompt"] == smollm2.SYSTEM["bargaining"] and not defaults.is_tiny
-    assert defaults.max_new_tokens == MICRO["max_new_tokens"]  # the recipe's, not the method's 512
+    options = models.policy_prompt_options("smollm2-135m", "bargaining")
+    assert options.env_kwargs["system_prompt"] == smollm2.SYSTEM["bargaining"] and not options.is_tiny
+    assert options.max_new_tokens == MICRO["max_new_tokens"]  # the recipe's, not a method's budget
     # the raw instruct model, and an env without an adapter (a notice, then the raw model)
-    assert models.policy_defaults("smollm2-135m-instruct", "bargaining", learning_rate=1e-5,
-                                  max_new_tokens=512).env_kwargs == {}
+    assert models.policy_prompt_options("smollm2-135m-instruct", "bargaining").env_kwargs == {}
     raw, _ = models.load_policy("smollm2-135m", env_id="sokoban", load_in_4bit=False, lora_r=2, lora_alpha=4)
     assert "no SmolLM2 adapter is shipped for env 'sokoban'" in capsys.readouterr().err
     with torch.no_grad(), raw.disable_adapter():
@@ -211,8 +210,8 @@ def test_aria_on_smollm2_runs_the_shipped_bargaining_adapters_prompt():
 
     entry = smollm2.read_manifest()["adapters"]["bargaining"]  # shipped in common/adapters
     assert entry["bytes"] <= smollm2.SIZE_BUDGET_BYTES
-    _, probe, defaults, env_kwargs = aria.make_env(aria.Args(model_name="smollm2-135m"))
+    args, _, probe, env_kwargs = aria.make_env(aria.Args(model_name="smollm2-135m"))
     assert env_kwargs == entry["env_kwargs"] == {"system_prompt": smollm2.SYSTEM["bargaining"]}
-    assert defaults.max_new_tokens == entry["max_new_tokens"] and not defaults.is_tiny
+    assert args.max_new_tokens == entry["max_new_tokens"]
     probe.reset(probe.task_ids("test")[0])
     assert probe.observe(probe.current_player)[0]["content"] == smollm2.SYSTEM["bargaining"]
