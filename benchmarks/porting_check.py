@@ -8,11 +8,8 @@ the part above its `# ---- check` line is what a user copies, the part below run
 hand-made batch and prints what it checked, ending with `PASS <method>_<framework>`. This script
 installs the CPU build of torch (the wheel on this machine's disk: plain `torch` would pull CUDA
 builds) and then verl and TRL at the versions below, runs every snippet that exists with the
-repository on sys.path and one torch thread, and writes
-
-- docs/porting_check.md: the commands, the package versions, each snippet's output, pass/fail;
-- docs/porting.md: the part of each snippet a user copies, between its two marker lines
-  `<!-- snippet:NAME -->` and `<!-- /snippet:NAME -->` (nothing else in that file changes).
+repository on sys.path and one torch thread, and writes docs/porting_check.md: the commands, the package versions, each snippet's output, pass/fail
+(docs/porting.md links each snippet file; nothing is copied into it).
 
 And two files that check all five methods at once (`PASS <method>_<name>` per method):
 benchmarks/porting/verl_agent.py (verl-agent's rollout layout and trainer branch) and
@@ -42,7 +39,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 SNIPPETS = REPO / "benchmarks" / "porting"
 DOC = REPO / "docs" / "porting_check.md"
-GUIDE = REPO / "docs" / "porting.md"
 METHODS = ["graphgpo", "istar", "delta_belief", "aria", "epo"]
 FRAMEWORKS = ["verl", "trl"]
 # files that check all five methods at once, printing `PASS <method>_<name>` for each
@@ -146,14 +142,6 @@ def warnings_of(text: str) -> list[str]:
     return list(seen)
 
 
-def user_part(path: Path) -> str:
-    """The part of a snippet a user copies: after the module docstring, before the check."""
-    text = path.read_text()
-    body = text.split('"""', 2)[2] if text.startswith('"""') else text
-    body = body.split(CHECK_LINE, 1)[0]
-    return body.strip("\n") + "\n"
-
-
 def checked_lines(stdout: str) -> list[str]:
     """The snippet's output lines without the framework's own log lines."""
     return [ln for ln in stdout.splitlines() if not re.match(r"^(WARNING|INFO):\d{4}-", ln)]
@@ -224,27 +212,6 @@ def write_doc(results, commands, vers, build, wall, started):
     DOC.write_text("\n".join(lines) + "\n")
 
 
-SNIPPET_MARK = re.compile(r"^<!-- (/?)snippet:(\w+) -->$", re.M)
-
-
-def fill_guide(results, vers):
-    """Put each snippet's user part between its markers in docs/porting.md."""
-    text = GUIDE.read_text()
-    for name, r in results.items():
-        start, end = f"<!-- snippet:{name} -->", f"<!-- /snippet:{name} -->"
-        if start not in text or end not in text:
-            print(f"docs/porting.md: no {start} ... {end} markers; {name} not filled in")
-            continue
-        fw = "verl" if name in SUITES else name.rsplit("_", 1)[1]
-        status = "passed" if r["ok"] else "FAILED"
-        block = (f"{start}\n```python\n{user_part(SNIPPETS / f'{name}.py')}```\n\n"
-                 f"Checked against {fw} {vers.get(fw, '?')} by `benchmarks/porting_check.py`: "
-                 f"{status};\nits output: [porting_check.md](porting_check.md#{name}).\n{end}")
-        head, rest = text.split(start, 1)
-        text = head + block + rest.split(end, 1)[1]
-    GUIDE.write_text(text)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--venv", type=Path, default=REPO / ".porting-venv",
@@ -282,8 +249,7 @@ def main():
     build = json.loads(build_file.read_text()) if build_file.exists() else {}
     build["this_run"] = installed
     write_doc(results, commands, vers, build, time.time() - t0, started)
-    fill_guide(results, vers)
-    print(f"wrote {shown(DOC)} and the snippets of {shown(GUIDE)}")
+    print(f"wrote {shown(DOC)}")
     return 0 if all(r["ok"] for r in results.values()) else 1
 
 
