@@ -18,6 +18,7 @@ per turn from the script's own functions, A* of a random subset of the turns) an
 
     python benchmarks/credit_quality.py --report     # all five methods, seed 4, tables into docs/credit_quality.md
     python benchmarks/credit_quality.py --pool A.json B.json C.json   # seeds pooled (`pool_seeds`)
+    python benchmarks/credit_quality.py --solver-check   # no model: GraphGPO's credit vs the Sokoban solver
 
 docs/credit_quality.md explains the measurements, the sizing and the results; `tests/test_credit_quality.py`
 checks the estimator on a two-turn game whose values are worked out by hand.
@@ -784,6 +785,7 @@ DEFAULTS = {
 }
 REPORT_BEGIN, REPORT_END = "<!-- credit-quality:begin -->", "<!-- credit-quality:end -->"
 POOLED_BEGIN, POOLED_END = "<!-- credit-quality-pooled:begin -->", "<!-- credit-quality-pooled:end -->"
+SOLVER_BEGIN, SOLVER_END = "<!-- credit-quality-solver:begin -->", "<!-- credit-quality-solver:end -->"
 
 
 def _bucket(method: str, row: dict) -> str:
@@ -928,11 +930,62 @@ def pooled_report(pooled: dict) -> str:
     return "\n".join(lines)
 
 
-def _fmt(v, ci=None) -> str:
-    if v is None or not math.isfinite(v):
-        return "n/a"
-    s = f"{v:+.2f}" if ci is None else f"{v:+.2f} [{ci[0]:+.2f}, {ci[1]:+.2f}]"
-    return s.replace("+0.", "0.").replace("[0.", "[0.") if v >= 0 else s
+def solver_check(env_id: str = "sokoban", num_tasks: int = 200, group: int = 8, noise: float = 0.3,
+                 seed: int = 1) -> str:
+    """Without a model: does each step advantage of graphgpo.py rank a noisy expert's moves as the env's
+    exact solver does? The expert (a random move with probability `noise`) plays `group` episodes per
+    train task; a step is *good* if it lowers the solver's distance to the goal. Per variant (A = step
+    term + episode term, beta 1): the AUC of good vs other steps (ties half), over all steps and over
+    the steps of non-singleton state groups (the only ones a step term can rank), and mean A of each."""
+    gg, envs = _import_script("graphgpo"), _import_script("envs")
+    rng, env = np.random.default_rng(seed), envs.make(env_id)
+    omega, tasks = gg.OMEGA_BY_ENV.get(env_id, 0.5), env.task_ids("train")[:num_tasks]
+    names = {"graph": "GraphGPO", "gigpo": "GiGPO", "none": "GRPO"}
+    res = {m: {"adv": [], "good": [], "multi": []} for m in names}
+    n_success = n_groups_success = 0
+    for task in tasks:
+        eps, succ, inv, rews, good = [], [], [], [], []
+        for _ in range(group):
+            env.reset(task)
+            states, iv, gd, done, ok = [env.state_key()], [], [], False, False
+            while not done:
+                d0 = env.solution_length()
+                a = env.expert_action() if rng.random() >= noise else ["up", "down", "left", "right"][rng.integers(4)]
+                st = env.step(a)
+                d1 = 0 if st.info["success"] else env.solution_length()
+                gd.append(d0 is not None and d1 is not None and d1 < d0)
+                states.append(env.state_key())
+                iv.append(st.info["invalid"])
+                done, ok = st.done, st.info["success"]
+            eps.append(states), succ.append(ok), inv.append(iv), good.append(gd)
+            rews.append([0.0] * (len(iv) - 1) + [10.0 if ok else 0.0])
+        n_success, n_groups_success = n_success + sum(succ), n_groups_success + any(succ)
+        counts = {}
+        for e in eps:
+            for s in e[:-1]:
+                counts[s] = counts.get(s, 0) + 1
+        a_ep = gg.grpo_advantages([10.0 * s - 0.1 * sum(i) for s, i in zip(succ, inv)])
+        steps = {"graph": gg.graph_step_advantages(eps, succ, omega, invalid=inv),
+                 "gigpo": gg.gigpo_step_advantages(eps, rews, 0.95, invalid=inv),
+                 "none": [np.zeros(len(g)) for g in good]}
+        for m, a_step in steps.items():
+            for i in range(group):
+                res[m]["adv"] += list(a_step[i] + a_ep[i])
+                res[m]["good"] += good[i]
+                res[m]["multi"] += [counts[s] > 1 for s in eps[i][:-1]]
+    g0, mu0 = np.asarray(res["graph"]["good"]), np.asarray(res["graph"]["multi"])
+    lines = [f"Noisy expert (random move with probability {noise}), {len(tasks)} train tasks x {group} episodes, "
+             f"seed {seed}: {len(g0)} steps, episode success {n_success / (len(tasks) * group):.3f}, groups with a "
+             f"success {n_groups_success / len(tasks):.3f}, good steps {g0.mean():.3f}, steps in non-singleton "
+             f"state groups {mu0.mean():.3f}; ω = {omega}.", "",
+             "| variant | AUC good vs other (all steps) | AUC (non-singleton groups) | mean A good | mean A other |",
+             "|---|---|---|---|---|"]
+    for m, name in names.items():
+        a, g, mu = (np.asarray(res[m][k]) for k in ("adv", "good", "multi"))
+        sign = np.where(g, 1.0, -1.0)
+        lines.append(f"| {name} | {auc(a, sign):.3f} | {auc(a[mu], sign[mu]):.3f} | {a[g].mean():+.3f} | "
+                     f"{a[~g].mean():+.3f} |")
+    return "\n".join(lines)
 
 
 def _num(v, ci=None) -> str:
@@ -1084,7 +1137,14 @@ def main(argv=None) -> dict:
     p.add_argument("--pool", nargs="+", default=None, metavar="OUT",
                    help="do not run: pool the results files of several seeds (each one --out) into --doc's "
                         "pooled table")
+    p.add_argument("--solver-check", action="store_true", help="do not run a model: GraphGPO's, GiGPO's and "
+                   "GRPO's credit of a noisy expert's Sokoban moves against the solver (`solver_check`), into --doc")
     a = p.parse_args(argv)
+    if a.solver_check:
+        body = "\n\n".join(solver_check(noise=x) for x in (0.3, 0.5, 0.7))
+        write_report({}, a.doc, (SOLVER_BEGIN, SOLVER_END), body + "\n\nCommand: `python benchmarks/credit_quality.py "
+                     "--solver-check`")
+        return {}
     if a.pool:
         missing = [f for f in a.pool if not Path(f).exists()]
         if missing:
