@@ -20,23 +20,19 @@ Equations -> functions (section 2; the kernel `graphgpo_advantages` takes plain 
                                                                    -> `graph_step_advantages`
 - Eq. 2  A^E(tau) = (R(tau) - mean) / std over the group's trajectories -> `grpo_advantages`
 - GiGPO  A^S = discounted return normalised within same-state step groups -> `gigpo_step_advantages`
-- App. D.3 fuzzy state matching (similarity >= 0.95, graph nodes only)  -> `fuzzy_node_map`
+- App. D.3 fuzzy matching (similarity >= 0.95: one node, one step group) -> `fuzzy_node_map`
 - Eq. 8  A = beta_G A^G + beta_E A^E                               -> `graphgpo_advantages`
 - Eq. 9  clipped PG - beta KL(pi || pi_ref)                          -> `policy_loss`
 
-Deviations from the paper and from the official code: docs/graphgpo.md, "Deviations". How to use
-the kernel in verl or TRL: docs/porting.md.
+`python graphgpo.py` trains a LoRA adapter of the tiny Sokoban policy on a CPU: 40 iterations of
+4 tasks x 8 trajectories (the paper: a whole Qwen2.5 for 150 epochs of 16 tasks x 8). Deviations
+from the paper and the official code: docs/graphgpo.md; using the kernel in verl or TRL:
+docs/porting.md.
 
-`python graphgpo.py` trains a LoRA adapter of the tiny Sokoban policy on a CPU, 40 iterations of 4
-tasks x 8 trajectories; the paper trains a whole LLM for 150 epochs of 16 tasks (Sokoban: 32) x 8.
-Reading order: section 2, then `main` (section 6), then `rollout`, `compute_advantages`, `update`.
-
-Example
     python graphgpo.py                                   # tiny Sokoban policy, CPU, GraphGPO
     python graphgpo.py --step-advantage gigpo --seed 2   # GiGPO baseline, same budget
-    python graphgpo.py --model-name smollm2-135m         # SmolLM2 + its WebShop adapter (DEFAULTS)
-    python graphgpo.py --model-name Qwen/Qwen2.5-1.5B-Instruct --max-new-tokens 512 \\
-        --tasks-per-iteration 16
+    python graphgpo.py --model-name smollm2-135m         # SmolLM2 + its WebShop adapter
+    python graphgpo.py --model-name Qwen/Qwen2.5-1.5B-Instruct --env-id webshop
 """
 
 from __future__ import annotations
@@ -49,7 +45,7 @@ import math
 import random
 import sys
 import time
-from collections import Counter, defaultdict, deque
+from collections import defaultdict, deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -97,8 +93,8 @@ class Args:
 
     # environment
     env_id: Optional[str] = None  # needs env.state_key(): sokoban, webshop, ...; None: DEFAULTS
-    history: Optional[int] = None  # past (action, obs) pairs; None: the tiny recipe's or env's (2)
-    max_turns: int = 0  # steps per episode (0: the env's; paper: 15 on Sokoban, 10 on WebShop)
+    history: Optional[int] = None  # past steps shown; None: DEFAULTS, else the policy's or env's
+    max_turns: int = 0  # steps per episode (0: the env's; paper: 15, ALFWorld 50)
     eval_num_tasks: Optional[int] = None  # test tasks per evaluation (0: all); None: DEFAULTS
     eval_k: int = 1  # sampled episodes per test task at each temperature
     eval_every: Optional[int] = None  # evaluate every N iterations, first and last; None: DEFAULTS
@@ -106,7 +102,7 @@ class Args:
 
     # algorithm
     num_iterations: Optional[int] = None  # (paper: 150 epochs); None: DEFAULTS
-    tasks_per_iteration: Optional[int] = None  # B (paper: 16, Sokoban 32); None: DEFAULTS
+    tasks_per_iteration: Optional[int] = None  # B (paper: 16 x 8 = 128 envs); None: DEFAULTS
     group_size: Optional[int] = None  # M: trajectories per task (paper: 8); None: DEFAULTS
     learning_rate: Optional[float] = None  # AdamW lr; None: DEFAULTS (paper, full FT: 1e-6)
     weight_decay: float = 0.0  # AdamW weight decay
@@ -129,7 +125,7 @@ class Args:
     """unit cost c in Eq. 4, R = r_succ ω^(d(s') + c) (paper: 1; official code: 0)"""
     beta_graph: float = 1.0  # β_G, weight of the step-level advantage (paper: 1)
     beta_episode: float = 1.0  # β_E, weight of the episode-level GRPO advantage (paper: 1)
-    clip_eps: float = 0.2  # ε of the clipped importance ratio (paper: 0.2)
+    clip_eps: float = 0.2  # ε of the clipped ratio (verl's 0.2; the paper gives no value)
     dual_clip: float = 3.0  # dual-clip c for negative advantages (verl default; 0 disables)
     kl_coef: float = 0.01
     """β, coefficient of the k3 KL penalty to the reference policy (paper: 0.01; 0 skips it)"""
@@ -138,8 +134,9 @@ class Args:
 
 # Every option left at None, by model (`with_defaults`): "tiny", the tiny policy on a CPU
 # (Sokoban's 200 test tasks: SE <= 0.035); "smollm2-135m", SmolLM2 with its WebShop adapter,
-# under an hour on 2 CPU cores (docs/smollm2.md); "*", any other model, the paper's budget with a
-# LoRA learning rate. A tiny or shipped policy brings its own token budget (common/models.py).
+# under an hour on 2 CPU cores (docs/smollm2.md); "*", any other model: the paper's 512 tokens and
+# 2 past steps, a LoRA learning rate. A tiny or shipped policy brings its own token budget and
+# prompt options (common/models.py).
 DEFAULTS = {
     "tiny": dict(env_id="sokoban", num_iterations=40, tasks_per_iteration=4, group_size=8,
                  learning_rate=5e-4, micro_batch_size=64, eval_num_tasks=200, eval_every=10,
@@ -148,8 +145,8 @@ DEFAULTS = {
                          learning_rate=1e-4, micro_batch_size=8, eval_num_tasks=30, eval_every=0,
                          checkpoint_every=2),
     "*": dict(env_id="sokoban", num_iterations=40, tasks_per_iteration=4, group_size=8,
-              learning_rate=1e-5, max_new_tokens=512, micro_batch_size=8, eval_num_tasks=200,
-              eval_every=10, checkpoint_every=10),
+              learning_rate=1e-5, max_new_tokens=512, micro_batch_size=8, history=2,
+              eval_num_tasks=200, eval_every=10, checkpoint_every=10),
 }
 OMEGA_BY_ENV = {"sokoban": 0.8, "alfworld": 0.1, "webshop": 0.2}  # paper, App. C; other envs 0.5
 
@@ -223,7 +220,7 @@ def _split(flat, lengths):
 
 def _graph_rewards(episodes, success, omega, r_succ, invalid, invalid_penalty, node_of, step_cost):
     """A group's graph and step rewards: transitions on graph nodes, the distances (Eq. 3), the
-    source key of every step, and every step's R (Eq. 4)."""
+    source node of every step, and every step's R (Eq. 4)."""
     node = (lambda k: k) if node_of is None else (lambda k: node_of.get(k, k))
     transitions, steps = [], []
     for m, states in enumerate(episodes):
@@ -236,7 +233,7 @@ def _graph_rewards(episodes, success, omega, r_succ, invalid, invalid_penalty, n
         for t in range(len(states) - 1):
             transitions.append((nodes[t], nodes[t + 1]))
             flagged = bool(invalid[m][t]) if invalid is not None else False
-            steps.append((states[t], nodes[t + 1], flagged))
+            steps.append((nodes[t], nodes[t + 1], flagged))  # grouped by node (App. D.3)
     dist = graph_distances(transitions, GOAL)
     R = [r_succ * omega ** (dist[target] + step_cost) - invalid_penalty * flagged  # Eq. 4
          for _, target, flagged in steps]
@@ -251,8 +248,8 @@ def graph_step_advantages(episodes, success, omega, r_succ=10.0, eps=1e-6, inval
         A_t = (R_t - mean_{G(s_t)} R) / (std_{G(s_t)} R + eps),  G(s): the steps leaving key s
 
     episodes[m] = [s_1, ..., s_{T+1}]; a successful trajectory's last state becomes the goal node.
-    Step groups use the exact keys; `node_of` ({key: node}, fuzzy matching) changes the graph nodes
-    only. Returns one float64 array of length T per trajectory.
+    `node_of` ({key: node}, fuzzy matching): matched states are one node, in the graph and in the
+    step groups (App. D.3). Returns one float64 array of length T per trajectory.
     """
     if len(episodes) != len(success):
         raise ValueError(f"{len(episodes)} episodes but {len(success)} success flags")
@@ -261,20 +258,6 @@ def graph_step_advantages(episodes, success, omega, r_succ=10.0, eps=1e-6, inval
                                       node_of, step_cost)
     lengths = [max(len(e) - 1, 0) for e in episodes]
     return _split(normalise_in_groups(R, sources, eps), lengths)  # Eq. 5-6
-
-
-def graph_stats(episodes, success, omega, r_succ=10.0, invalid=None, invalid_penalty=0.1,
-                node_of=None, step_cost=1.0):
-    """What a group's graph looks like (logged): nodes, distinct edges, whether it has a goal, mean
-    distance of the other nodes, steps, steps alone in their state group, mean step reward R."""
-    transitions, dist, sources, R = _graph_rewards(episodes, success, omega, r_succ, invalid,
-                                                   invalid_penalty, node_of, step_cost)
-    counts = Counter(sources)
-    return {"nodes": len(dist), "edges": len(set(transitions)), "has_goal": GOAL in dist,
-            "mean_distance": (float(np.mean([d for n, d in dist.items() if n is not GOAL]))
-                              if len(dist) > 1 else 0.0),
-            "steps": len(sources), "singleton_steps": sum(1 for s in sources if counts[s] == 1),
-            "step_reward_mean": float(np.mean(R)) if R else 0.0}
 
 
 def grpo_advantages(returns, eps=1e-6):
@@ -445,9 +428,9 @@ class Episode:
 
 
 def rollout(model, tok, new_env, task_ids, group_ids, temperature, max_new_tokens, greedy=False,
-            noise_keys=None):
+            noise_keys=None, progress=None):
     """One episode per task id, all envs stepped together: one batched generate per turn. With
-    `noise_keys` (evaluation: a key per episode) turn t samples with `CommonNoise` of (*key, t)."""
+    `noise_keys` (a key per episode) turn t samples with CommonNoise of (*key, t)."""
     envs_, episodes = [], []
     for i, (task, g) in enumerate(zip(task_ids, group_ids)):
         env = new_env()
@@ -476,6 +459,8 @@ def rollout(model, tok, new_env, task_ids, group_ids, temperature, max_new_token
             ep.env_return += float(step.reward)
             if step.done:
                 ep.success = bool(step.info.get("success", False))
+        if progress is not None:  # episodes finished this turn
+            progress.update(sum(envs_[i].done for i in active))
     return episodes
 
 
@@ -604,17 +589,18 @@ def update(model, tok, optimizer, samples, args, rng):
 # 5. Evaluation
 # ----------------------------------------------------------------------------------------------
 def evaluate(model, tok, new_env, tasks, args):
-    """Sampled (at the training and the paper's validation temperature) and greedy test success.
-    The sampled episodes draw common random numbers keyed by (seed, stream, episode), the same in
-    every evaluation, so `write_summary` pairs the first and the last evaluation by episode."""
+    """Test success sampled at the training and the paper's validation temperature, and greedy;
+    the sampled episodes draw common random numbers keyed by (seed, stream, episode)."""
     tasks_k = [t for t in tasks for _ in range(args.eval_k)]
     keys = [[(args.seed, stream, i) for i in range(len(tasks_k))] for stream in (0, 1)]
-    episodes = rollout(model, tok, new_env, tasks_k, [0] * len(tasks_k), args.temperature,
-                       args.max_new_tokens, noise_keys=keys[0])
-    val = rollout(model, tok, new_env, tasks_k, [0] * len(tasks_k), args.eval_temperature,
-                  args.max_new_tokens, noise_keys=keys[1])
-    greedy = rollout(model, tok, new_env, tasks, [0] * len(tasks), 1.0, args.max_new_tokens,
-                     greedy=True)
+    with tqdm(total=2 * len(tasks_k) + len(tasks), desc="evaluation", unit="episode",
+              leave=False, dynamic_ncols=True) as bar:
+        episodes = rollout(model, tok, new_env, tasks_k, [0] * len(tasks_k), args.temperature,
+                           args.max_new_tokens, noise_keys=keys[0], progress=bar)
+        val = rollout(model, tok, new_env, tasks_k, [0] * len(tasks_k), args.eval_temperature,
+                      args.max_new_tokens, noise_keys=keys[1], progress=bar)
+        greedy = rollout(model, tok, new_env, tasks, [0] * len(tasks), 1.0, args.max_new_tokens,
+                         greedy=True, progress=bar)
     out = {"eval/success_episodes": [float(ep.success) for ep in episodes]}
     for key, eps in (("", episodes), ("_greedy", greedy), ("_val_temp", val)):
         out[f"eval/success{key}"], out[f"eval/success{key}_se"] = mean_se([e.success for e in eps])

@@ -92,14 +92,36 @@ def test_graph_step_advantages_hand_computed():
     assert adv[0][0] == pytest.approx(0.3125 / (0.3125 * math.sqrt(2) + 1e-6), abs=1e-12)
 
 
-def test_graph_step_advantages_stats():
-    st = gg.graph_stats([TAU0, TAU1], [True, False], omega=0.5)
-    # nodes A B C D E F goal = 7; distinct edges: A-B B-C C-B B-D D-G A-E E-B B-F = 8
-    # mean distance over the 6 non-goal nodes (3 + 2 + 3 + 1 + 3 + 4) / 6 = 16 / 6
-    # 8 steps; singleton-group steps: C, D, E -> 3
-    assert st["nodes"] == 7 and st["edges"] == 8 and st["has_goal"]
-    assert st["mean_distance"] == pytest.approx(16 / 6)
-    assert st["steps"] == 8 and st["singleton_steps"] == 3
+def test_fuzzy_matching_groups_the_steps_by_the_matched_node():
+    # App. D.3: matched states "are treated as identical", in the graph and in Eq. 5's step groups.
+    # Four WebShop trajectories whose start pages differ only in an ad suffix (A1..A4 merge into A):
+    #   tau0 A1 -> b -> goal (success), tau1 A2 -> c, tau2 A3 -> b -> d, tau3 A4 -> c
+    # d(goal) 0, d(b) 1, d(A) 2, c and d never reach the goal: d_max + 1 = 3. R = 10 * 0.5^(d(s') + 1):
+    #   from A: 2.5, 0.625, 2.5, 0.625: mean 1.5625, deviations +-0.9375, unbiased std 0.9375 * 2 / sqrt(3)
+    #   -> A^G = +-sqrt(3) / 2 = +-0.866;  from b: 5 (tau0), 0.625 (tau2) -> +-1 / sqrt(2)
+    # With the start steps grouped by their exact keys every start step is alone in its group: A^G = 0
+    # there, and the graph's signal at the start (the step that chose b over c) is lost.
+    page = "results for red running shoes: B01 trail runner $39, B02 road runner $45, B03 spikes $52 [ad {}]"
+    starts = [page.format(i) for i in (1, 2, 3, 4)]
+    b, c, d = "item B01 trail runner, $39; click buy now", "no results; back to search", "item B03 spikes, $52"
+    node_of = gg.fuzzy_node_map(starts + [b, c, d], threshold=0.95)
+    assert len({node_of[s] for s in starts}) == 1 and len({node_of[x] for x in (b, c, d)}) == 3
+    episodes = [[starts[0], b, "won"], [starts[1], c], [starts[2], b, d], [starts[3], c]]
+    won = [True, False, False, False]
+    adv = gg.graph_step_advantages(episodes, won, omega=0.5, eps=0.0, node_of=node_of)
+    h, r = math.sqrt(3) / 2, 1 / math.sqrt(2)
+    for got, want in zip(adv, [[h, r], [-h], [h, -r], [-h]]):
+        np.testing.assert_allclose(got, want, atol=1e-12)
+    exact = gg.graph_step_advantages(episodes, won, omega=0.5, eps=0.0)  # no matching: singletons at the start
+    assert [e[0] for e in exact] == [0.0, 0.0, 0.0, 0.0]
+    # the kernel from per-turn arrays, --state-match fuzzy: the same start advantages plus A^E
+    turns = [(m, t) for m, e in enumerate(episodes) for t in range(len(e) - 1)]
+    full = gg.graphgpo_advantages(group=[0] * len(turns), traj=[m for m, _ in turns],
+                                  state=[episodes[m][t] for m, t in turns],
+                                  next_state=[episodes[m][t + 1] for m, t in turns],
+                                  success=[won[m] for m, _ in turns], invalid=[False] * len(turns),
+                                  omega=0.5, eps=0.0, beta_episode=0.0, fuzzy_threshold=0.95)
+    np.testing.assert_allclose(full, [h, r, -h, h, -r, -h], atol=1e-12)
 
 
 def test_graph_step_advantages_no_success_and_invalid_penalty():
@@ -170,13 +192,13 @@ def test_graph_step_advantages_permutation_equivariant():
         np.testing.assert_allclose(out[j], base[i], atol=1e-12)
 
 
-def test_graph_step_advantages_fuzzy_nodes_exact_groups():
+def test_graph_step_advantages_fuzzy_nodes_and_groups():
     # n1 and n1' differ in one character of 41 -> similarity 2*40/82 = 0.9756 >= 0.95: one graph node.
     #   tau_0 (success): s -> n1 -> goal;  tau_1 (fail): s -> n1' -> dead
     # exact nodes: d(n1) = 1, d(s) = 2 = d_max, d(n1') = d(dead) = 3
-    #   group s: tau_0 10*0.5^2 = 2.5, tau_1 10*0.5^4 = 0.625 -> +-1/sqrt(2)
-    # fuzzy nodes: n1' is n1 -> d(n1') = 1 -> both s-steps 2.5 -> 0, 0
-    # step groups stay exact: n1 and n1' are one step each -> 0 in both cases
+    #   group s: tau_0 10*0.5^2 = 2.5, tau_1 10*0.5^4 = 0.625 -> +-1/sqrt(2); n1, n1' alone -> 0
+    # fuzzy nodes: n1' is n1 -> d(n1') = 1 -> both s-steps 2.5 -> 0, 0; and the steps from n1 and
+    #   n1' are one group (App. D.3): n1 -> goal 10*0.5^1 = 5, n1' -> dead 10*0.5^4 = 0.625 -> +-1/sqrt(2)
     n1, n1p = "x" * 40 + "A", "x" * 40 + "B"
     eps = [["s", n1, "win"], ["s", n1p, "dead"]]
     exact = gg.graph_step_advantages(eps, [True, False], omega=0.5, eps=0.0)
@@ -185,8 +207,8 @@ def test_graph_step_advantages_fuzzy_nodes_exact_groups():
     node_of = gg.fuzzy_node_map(["s", n1, "win", n1p, "dead"], 0.95)
     assert node_of[n1p] == n1 and node_of["s"] == "s" and node_of["dead"] == "dead"
     fuzzy = gg.graph_step_advantages(eps, [True, False], omega=0.5, eps=0.0, node_of=node_of)
-    np.testing.assert_allclose(fuzzy[0], [0.0, 0.0], atol=1e-12)
-    np.testing.assert_allclose(fuzzy[1], [0.0, 0.0], atol=1e-12)
+    np.testing.assert_allclose(fuzzy[0], [0.0, S2], atol=1e-12)
+    np.testing.assert_allclose(fuzzy[1], [0.0, -S2], atol=1e-12)
 
 
 def test_fuzzy_node_map_threshold_and_first_match():
@@ -276,7 +298,7 @@ def test_policy_loss_hand_computed():
 
 
 # ---------------------------------------------------------------------------------------------
-# graph statistics of a run (benchmarks/graphgpo_graphs.py)
+# the update's micro-batches
 # ---------------------------------------------------------------------------------------------
 def test_length_sorted_micro_batches_score_and_train_as_one_batch(random_llama_dir):
     """token_logprobs and update take their micro-batches in length order (less padding): each sample's
@@ -307,46 +329,6 @@ def test_length_sorted_micro_batches_score_and_train_as_one_batch(random_llama_d
         gg.update(model, tok, torch.optim.SGD(params, lr=0.0), samples, args, np.random.default_rng(0))
         grads.append(torch.cat([p.grad.flatten() for p in params]))
     assert grads[0].abs().max() > 0 and torch.allclose(grads[0], grads[1], atol=1e-6)
-
-
-def _graph_batch():
-    """Group 0: TAU0 (success) and TAU1; group 1: one failed trajectory x -> y -> x, its second action invalid."""
-    rows = [(0, TAU0, True, [False] * 5), (0, TAU1, False, [False] * 3), (1, ["x", "y", "x"], False, [False, True])]
-    return [gg.Episode(traj_id=m, group_id=g, task_id=str(g), prompts=[[1]] * len(inv), completions=[[2]] * len(inv),
-                       logprobs=[None] * len(inv),
-                       states=list(states), invalid=inv, success=won) for m, (g, states, won, inv) in enumerate(rows)]
-
-
-def test_graph_metrics_hand_computed():
-    # group 0 (test_graph_step_advantages_stats): 7 nodes, 8 edges, mean distance 16/6, 3 of 8 steps singletons;
-    #   R (omega 0.5): 1.25, 0.625, 1.25, 2.5, 5 | 0.625, 1.25, 0.3125 -> mean 12.8125 / 8 = 1.6015625
-    # group 1: no goal -> every d = 1: 2 nodes, 2 edges, mean distance 1, both steps singletons;
-    #   R = 10 * 0.5^2 = 2.5, and 2.5 - 0.1 for the invalid step -> mean 2.45
-    graphs = load_benchmark("graphgpo_graphs")
-    m = graphs.graph_metrics(_graph_batch(), gg.Args(omega=0.5))
-    assert m["credit/graph_nodes"] == 4.5 and m["credit/graph_edges"] == 5.0
-    assert m["credit/mean_distance"] == pytest.approx((16 / 6 + 1) / 2)
-    assert m["credit/graph_step_reward_mean"] == pytest.approx((1.6015625 + 2.45) / 2)
-    assert m["credit/singleton_frac"] == 0.5 and m["credit/group_success_frac"] == 0.5
-
-
-def test_with_graph_metrics_adds_them_and_changes_no_credit():
-    graphs = load_benchmark("graphgpo_graphs")
-    args = gg.Args(omega=0.5)
-    samples, stats = gg.compute_advantages(_graph_batch(), args)
-    wrapped_samples, wrapped = graphs.with_graph_metrics(gg.compute_advantages)(_graph_batch(), args)
-    assert [(x.traj, x.turn, x.adv) for x in wrapped_samples] == [(x.traj, x.turn, x.adv) for x in samples]
-    assert wrapped == {**graphs.graph_metrics(_graph_batch(), args), **stats,
-                       "credit/graph_seconds": wrapped["credit/graph_seconds"]}
-    assert 0.0 <= wrapped["credit/graph_seconds"] < 1.0
-
-
-def test_bench_graph_time_frac_from_its_parts():
-    bench = load_benchmark("graphgpo_bench")
-    assert bench.credit_value({"credit/graph_seconds": 0.01, "perf/iteration_seconds": 4.0},
-                              "credit/graph_time_frac") == pytest.approx(0.0025)
-    assert bench.credit_value({"credit/graph_time_frac": 0.5}, "credit/graph_time_frac") == 0.5  # older runs
-    assert bench.credit_value({"perf/iteration_seconds": 4.0}, "credit/graph_nodes") is None
 
 
 # ---------------------------------------------------------------------------------------------
