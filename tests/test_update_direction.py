@@ -34,21 +34,23 @@ def _mean_logp(mod, model, tok, prompts, comps):
 
 
 def _update(name, mod, model, tok, prompts, comps, sign):
-    """One call of the method's update function on the batch, every advantage (weight) equal to `sign`.
-    The samples are each file's `Sample`, the one training-turn format of all five scripts."""
+    """One call of the method's update function on the batch, sample i's advantage (weight) `sign[i]`
+    (a number: the same for all). The samples are each file's `Sample`, the one training-turn format
+    of all five scripts."""
     rng = np.random.default_rng(0)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-2)
+    signs = list(sign) if isinstance(sign, (list, tuple)) else [sign] * len(prompts)
     # four trajectories of two turns each (EPO and ΔBelief's per-game aggregation read `traj`)
-    samples = [mod.Sample(p, c, group=0, traj=i // 2, turn=i % 2, adv=sign)
-               for i, (p, c) in enumerate(zip(prompts, comps))]
+    samples = [mod.Sample(p, c, group=0, traj=i // 2, turn=i % 2, adv=a)
+               for i, (p, c, a) in enumerate(zip(prompts, comps, signs))]
     if name == "graphgpo":
         args = mod.Args(kl_coef=0.0, num_minibatches=1)
     elif name == "istar":  # π_θold's log-probs come with the samples; the advantage is per token
         args = mod.Args(num_minibatches=1)
         old = mod.token_logprobs(model, tok, samples, "default", 8)
         for x, o in zip(samples, old):
-            x.old, x.adv = o, torch.full_like(o, sign)
+            x.old, x.adv = o, torch.full_like(o, x.adv)
     elif name == "delta_belief":
         args = mod.Args(num_minibatches=1, temperature=1.0)
     elif name == "aria":
@@ -79,6 +81,36 @@ def test_update_moves_logprobs_with_the_advantage_sign(random_llama_dir, name, s
         assert after > before + 1e-3, f"{name}: positive advantages did not raise log-probs ({before:.4f} -> {after:.4f})"
     else:
         assert after < before - 1e-3, f"{name}: negative advantages did not lower log-probs ({before:.4f} -> {after:.4f})"
+
+
+def _logp_per_sample(mod, model, tok, prompts, comps):
+    model.eval()
+    with torch.no_grad():
+        lp, m = mod.completion_logprobs(model, tok, prompts, comps)
+    return ((lp * m).sum(-1) / m.sum(-1)).tolist()
+
+
+MIXED = [1.0, -1.0, -1.0, 1.0, 1.0, -1.0, -1.0, 1.0]  # both signs inside every trajectory of two turns
+
+
+@pytest.mark.parametrize("name", ["graphgpo", "istar", "delta_belief", "aria", "epo"])
+def test_each_sample_moves_with_its_own_advantage_sign(random_llama_dir, name):
+    """Mixed signs in one batch: each completion's log-prob moves the way its own advantage says, so
+    advantages attached to the wrong samples (a mis-sorted micro-batch, a shifted index) fail."""
+    mod = importlib.import_module(name)
+    torch.manual_seed(0)
+    model, tok = load_policy(str(random_llama_dir), load_in_4bit=False, lora_r=4, lora_alpha=8)
+    prompts, comps = _batch(mod, tok)
+    before = _logp_per_sample(mod, model, tok, prompts, comps)
+    _update(name, mod, model, tok, prompts, comps, MIXED)
+    after = _logp_per_sample(mod, model, tok, prompts, comps)
+    change = [b - a for a, b in zip(before, after)]
+    up = [c for c, s in zip(change, MIXED) if s > 0]
+    down = [c for c, s in zip(change, MIXED) if s < 0]
+    # the shared adapter moves all samples together a little (one Adam step); what each sample's own
+    # advantage adds must still rank every positive one above every negative one
+    assert min(up) > max(down) and np.mean(up) > 0 > np.mean(down), (
+        f"{name}: log-prob changes {change} for advantages {MIXED}")
 
 
 @pytest.mark.parametrize("name", ["aria", "epo"])
