@@ -241,7 +241,8 @@ def assert_run_outputs(run_dir: Path) -> dict:
     assert (run_dir / "adapter").is_dir(), "adapter/ missing"
     learning = load_benchmark("learning").run_learning(run_dir)  # the main metric before and after, with its SE
     assert {"metric", "before", "before_se", "after", "after_se", "change", "change_se", "fell"} <= set(learning), learning
-    assert abs(learning["change"] - (learning["after"] - learning["before"])) < 1e-9
+    metric = summary["metric"]  # the block reads the run's first and last evaluation, as the script wrote them
+    assert (learning["before"], learning["after"]) == (summary["first_eval"][metric], summary["last_eval"][metric])
     return summary
 
 

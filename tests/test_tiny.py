@@ -229,9 +229,8 @@ def test_second_call_is_cache_hit(micro_sokoban, monkeypatch):
         raise AssertionError("cache hit expected, but a build started")
 
     monkeypatch.setattr(tiny, "build_tiny", no_build)
-    t0 = time.time()
     again = tiny.ensure_tiny("sokoban", "micro", cache_dir=cache, progress=False)
-    assert again == path and time.time() - t0 < 5.0
+    assert again == path  # and no build: `no_build` raises
     assert (path / "tiny_meta.json").stat().st_mtime_ns == stamp
 
 
