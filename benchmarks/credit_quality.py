@@ -458,18 +458,16 @@ def istar_batch(cfg: Config, env_id: str = "sokoban", argv: Sequence[str] = (), 
 
     args = tyro.cli(ist.Args, args=["--env-id", env_id, "--seed", str(cfg.seed), "--group-size", str(cfg.group),
                                     "--tasks-per-iteration", str(cfg.tasks), *argv])
-    args = ist.run_size(args)  # the run-size options the flags leave at None
     rng = ist.seed_everything(cfg.seed)
-    new_env, probe, defaults, _ = ist.make_env(args)
-    args = ist.resolve_args(args, defaults)
-    ist.check_args(args)
-    prm_lr = args.prm_learning_rate  # the script's (tiny: PRESETS; a real model: the official 2x)
+    args, new_env, probe, _ = ist.make_env(args)  # every option the flags leave at None
+    prm_lr = args.prm_learning_rate  # the script's (tiny: DEFAULTS; a real model: the official 2x)
     max_new, threshold = args.max_new_tokens, args.positive_threshold
     model, tok = load_policy(args.model_name, env_id=env_id, tiny_preset=args.tiny_preset, load_in_4bit=False,
                              lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout)
     add_adapter(model, "prm", lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout)
     model.set_adapter("default")
-    prm_optimizer = torch.optim.AdamW(ist.adapter_params(model, "prm"), lr=prm_lr, weight_decay=args.weight_decay)
+    prm_optimizer = torch.optim.AdamW(ist.adapter_params(model, "prm"), lr=prm_lr,
+                                      weight_decay=args.prm_weight_decay)
     train = list(probe.task_ids("train"))
     G = cfg.group
 
@@ -553,12 +551,9 @@ def delta_belief_batch(cfg: Config, env_id: str = "twenty_questions", argv: Sequ
 
     args = tyro.cli(db.Args, args=["--env-id", env_id, "--seed", str(cfg.seed), "--group-size", str(cfg.group),
                                    "--tasks-per-iteration", str(cfg.tasks), *argv])
-    args = db.run_size(args)  # the run-size options the flags leave at None
     rng = db.seed_everything(cfg.seed)
-    new_env, probe, defaults, _ = db.make_env(args)
-    args = db.resolve_args(args, defaults)
-    db.check_args(args)
-    belief_message = db.belief_message_for(args.belief_template, probe, defaults.is_tiny)
+    args, new_env, probe, _ = db.make_env(args)  # every option the flags leave at None, checked
+    belief_message = db.belief_message_for(args, probe)
     model, tok = load_policy(args.model_name, env_id=env_id, tiny_preset=args.tiny_preset, load_in_4bit=False,
                              lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout)
     train = list(probe.task_ids("train"))
@@ -625,10 +620,8 @@ def aria_batch(cfg: Config, env_id: str = "bargaining", argv: Sequence[str] = ()
     games = cfg.tasks * cfg.group
     args = tyro.cli(ar.Args, args=["--env-id", env_id, "--seed", str(cfg.seed), "--games-per-iteration", str(games),
                                    *argv])
-    args = ar.run_size(args)  # the run-size options the flags leave at None
     rng = ar.seed_everything(cfg.seed)
-    new_env, probe, defaults, _ = ar.make_env(args)
-    args = ar.resolve_args(args, defaults)
+    args, new_env, probe, _ = ar.make_env(args)  # the options the flags leave at None: DEFAULTS
     embedder = ar.Embedder(args.embedder, dim=args.embed_dim)
     model, tok = load_policy(args.model_name, env_id=env_id, tiny_preset=args.tiny_preset, load_in_4bit=False,
                              lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout)
@@ -998,7 +991,8 @@ def _num(v, ci=None) -> str:
 
 def report(data: dict) -> str:
     """The markdown of the results: the main table (rows: credits, columns: envs), then per method its
-    sizes, the reliability of A*, and the breakdowns by group size and by success context."""
+    sizes, the reliability of A* and each credit's statistics with their intervals (the breakdowns by
+    group size and success context stay in the results file's summaries)."""
     res = data["results"]
     envs_ = list(dict.fromkeys(r["env"] for r in res.values()))
     total = sum(r["seconds"] for k, r in res.items() if "@" not in k)
@@ -1011,8 +1005,8 @@ def report(data: dict) -> str:
              "ρ after centring the credit and A* on their episode's mean (episodes with two or more scored turns): "
              "whether the credit orders the turns of one episode, which an outcome-only credit cannot (n/a); "
              "\"episode means\" is ρ of the episodes' mean credit and mean A*."
-             + "".join(f" Run later with --append (seed {x['seed']}, replacing any earlier result of the same "
-                       f"name): {', '.join(x['results'])}." for x in data.get("appended", [])), "",
+             + (" Measured later and added with --append: " + ", ".join(dict.fromkeys(
+                 k for x in data["appended"] for k in x["results"])) + "." if data.get("appended") else ""), "",
              "| credit (method, then its baseline) | " + " | ".join(envs_) + " |",
              "|---|" + "---|" * len(envs_)]
     by_method = {}  # method -> {env: result}: one row per credit, one column per env
@@ -1051,24 +1045,6 @@ def report(data: dict) -> str:
         for lab, st in s.get("vs_method", {}).items():
             lines.append(f"| {r['labels'][0]} minus {lab} (paired) | {_num(st['spearman'], st['spearman_ci'])} | "
                          f"{_num(st['auc'], st['auc_ci'])} | | |")
-        if s["by_group_size"]:
-            sizes = sorted(s["by_group_size"], key=int)
-            lines += ["", "By the group size the credit is computed with (the same turns and A*; groups split into "
-                      "subgroups): Spearman ρ / AUC.", "",
-                      "| credit | " + " | ".join(f"G = {g}" for g in sizes) + " |", "|---|" + "---|" * len(sizes)]
-            for lab in r["labels"]:
-                lines.append(f"| {lab} | " + " | ".join(
-                    f"{_num(s['by_group_size'][g][lab]['spearman'])} / {_num(s['by_group_size'][g][lab]['auc'])}"
-                    for g in sizes) + " |")
-        bks = list(s["by_success"])
-        lines += ["", "By success context (turns, Spearman ρ / AUC):", "",
-                  "| credit | " + " | ".join(f"{b} ({s['by_success'][b][r['labels'][0]]['turns']} turns)" for b in bks)
-                  + " |", "|---|" + "---|" * len(bks)]
-        for lab in r["labels"]:
-            lines.append(f"| {lab} | " + " | ".join(
-                f"{_num(s['by_success'][b][lab]['spearman'])} / {_num(s['by_success'][b][lab]['auc'])}" for b in bks)
-                + " |")
-        lines.append("| reliability of A* | " + " | ".join(_num(s["by_success"][b]["_reliability"]) for b in bks) + " |")
     return "\n".join(lines)
 
 
