@@ -73,7 +73,7 @@ class Args:
     track: bool = False  # also log to TensorBoard (only if tensorboard is installed)
     save_model: bool = True  # save the LoRA adapter to <run>/adapter at checkpoints and at the end
     checkpoint_every: Optional[int] = None
-    """save the adapter and checkpoint.pt every N iterations (0: at the end; None: RUN_SIZES)"""
+    """save the adapter and checkpoint.pt every N iterations (0: at the end; None: DEFAULTS)"""
     resume: Optional[str] = None  # a run dir to continue from its checkpoint.pt and config.json
     torch_threads: int = 0  # CPU threads for torch (0: leave torch's default)
 
@@ -89,34 +89,34 @@ class Args:
     static_cache: bool = False
     """static KV cache in generate (batches padded to a power of two); transformers compiles it
     on CUDA, but not for 4-bit weights (docs/gpu.md)"""
-    max_new_tokens: Optional[int] = None  # most tokens generated per turn; None: by model (PRESETS)
+    max_new_tokens: Optional[int] = None  # most tokens generated per turn; None: DEFAULTS
     temperature: float = 1.0  # sampling temperature of the rollouts
     eval_temperature: float = 1.0  # temperature of the sampled evaluation (greedy is evaluated too)
 
     # environment
-    env_id: Optional[str] = None  # bargaining, negotiation, twenty_questions, ...; None: RUN_SIZES
+    env_id: Optional[str] = None  # bargaining, negotiation, twenty_questions, ...; None: DEFAULTS
     history: Optional[int] = None  # past turns in the prompt; None: the env's or tiny recipe's
-    max_turns: int = 0  # steps per episode (0: the env's; paper: 15 on Sokoban, 10 on WebShop)
+    max_turns: int = 0  # single-agent steps per episode (0: the env's)
     game_reward: Literal["win", "payoff"] = "payoff"
     """two-player R: 'payoff' (normalised, as the main metric) or 'win' (the paper's)"""
     eval_num_tasks: Optional[int] = None
-    """test tasks per evaluation (0: all; Bargaining: 49 x 2 roles x 4 styles); None: RUN_SIZES"""
-    eval_k: Optional[int] = None  # sampled games per test task, role and style; None: RUN_SIZES
+    """test tasks per evaluation (0: all; Bargaining: 49 x 2 roles x 4 styles); None: DEFAULTS"""
+    eval_k: Optional[int] = None  # sampled games per test task, role and style; None: DEFAULTS
     eval_opponents: tuple[str, ...] = ()  # scripted styles of the evaluation (empty: all)
-    eval_every: Optional[int] = None  # evaluate every N iterations, first and last; None: RUN_SIZES
+    eval_every: Optional[int] = None  # evaluate every N iterations, first and last; None: DEFAULTS
     num_logged_episodes: int = 4  # decoded episodes per evaluation written to samples.jsonl
 
     # algorithm
     aggregate: bool = True
     """aggregate rewards in the intention space (ARIA); --no-aggregate: REINFORCE on raw returns"""
     num_iterations: Optional[int] = None
-    """collect-then-train iterations (paper: 3); None: RUN_SIZES, else by game (GAME_PRESETS)"""
+    """collect-then-train iterations (paper: 3); None: DEFAULTS, else by game (BY_GAME)"""
     games_per_iteration: Optional[int] = None
-    """games per iteration, by the current policy; None: RUN_SIZES, else by game (GAME_PRESETS)"""
+    """games per iteration, by the current policy; None: DEFAULTS, else by game (BY_GAME)"""
     num_epochs: int = 3  # epochs of offline REINFORCE over each iteration's steps (paper: 3)
-    batch_size: Optional[int] = None  # steps per optimizer step; None: GAME_PRESETS (the paper's)
-    micro_batch_size: Optional[int] = None  # turns (and LLM PRM prompts) per forward; None: PRESETS
-    learning_rate: Optional[float] = None  # Adam lr; None: by model (PRESETS; paper: 2e-5)
+    batch_size: Optional[int] = None  # steps per optimizer step; None: DEFAULTS, else BY_GAME
+    micro_batch_size: Optional[int] = None  # turns per forward; None: DEFAULTS
+    learning_rate: Optional[float] = None  # Adam lr; None: DEFAULTS (paper: 2e-5)
     max_grad_norm: float = 1.0  # gradient clipping norm (official: 1.0)
     gamma: float = 0.95  # discount of the outcome over a player's turns (official: 0.95)
     embedder: str = "hash"
@@ -132,24 +132,25 @@ class Args:
     """single-agent observations: 'cluster', 'exact' (by text); auto: by env (OBSERVATION_LABELS)"""
 
 
-# The options left at None (or "auto") depend on the model or the game; `resolve_args` fills them,
-# in this one place. "real": any pretrained model (the paper's lr; micro-batches of 8 keep a real
-# model's long prompts small on a CPU); "tiny": the tiny policy's recipe supplies its prompt options
-# and token budget (common.models.policy_defaults), lr as measured: 2.5e-4, half the other scripts'
-# tiny rate, clears 2 SEs on more tuning seeds (docs/aria.md).
-PRESETS = {"real": dict(learning_rate=2e-5, max_new_tokens=128, micro_batch_size=8),
-           "tiny": dict(learning_rate=2.5e-4, micro_batch_size=32)}
-# Two-player self-play: 8 iterations of 64 games raise the tiny Bargaining policy's payoff share
-# (docs/aria.md, "Defaults"); single agent: the paper's 3 iterations, 32 games sized for the CPU.
-GAME_PRESETS = {"two_player": dict(num_iterations=8, games_per_iteration=64, batch_size=32),
-                "single_agent": dict(num_iterations=3, games_per_iteration=32, batch_size=16)}
-# The run's size (options left at None; GAME_PRESETS fill the rest): the tiny CPU run and SmolLM2
-# with its Bargaining adapter, under an hour on 2 CPU cores (docs/smollm2.md).
-RUN_SIZES = {"default": dict(env_id="bargaining", eval_num_tasks=0, eval_k=2, eval_every=2,
-                             checkpoint_every=1),
-             "smollm2-135m": dict(env_id="bargaining", num_iterations=4, games_per_iteration=8,
-                                  batch_size=8, learning_rate=1e-4, eval_num_tasks=6, eval_k=2,
-                                  eval_every=2, checkpoint_every=1)}
+# Every option left at None, by model (`with_defaults`): "tiny", the tiny policy on a CPU (lr as
+# measured: 2.5e-4 clears 2 SEs on more tuning seeds than 5e-4, docs/aria.md); "smollm2-135m",
+# SmolLM2 with its Bargaining adapter, under an hour on 2 CPU cores (docs/smollm2.md); "*", any
+# other model, the paper's lr (micro-batches of 8 keep long prompts small). A tiny or shipped
+# policy brings its own token budget (common/models.py).
+DEFAULTS = {
+    "tiny": dict(env_id="bargaining", learning_rate=2.5e-4, micro_batch_size=32, eval_num_tasks=0,
+                 eval_k=2, eval_every=2, checkpoint_every=1),
+    "smollm2-135m": dict(env_id="bargaining", num_iterations=4, games_per_iteration=8, batch_size=8,
+                         learning_rate=1e-4, max_new_tokens=128, micro_batch_size=8,
+                         eval_num_tasks=6, eval_k=2, eval_every=2, checkpoint_every=1),
+    "*": dict(env_id="bargaining", learning_rate=2e-5, max_new_tokens=128, micro_batch_size=8,
+              eval_num_tasks=0, eval_k=2, eval_every=2, checkpoint_every=1),
+}
+# What the model's row leaves at None, by game (`make_env`): two-player self-play, 8 iterations of
+# 64 games raise the tiny Bargaining policy's payoff share (docs/aria.md, "Defaults"); single
+# agent, the paper's 3 iterations, 32 games sized for the CPU.
+BY_GAME = {"two_player": dict(num_iterations=8, games_per_iteration=64, batch_size=32),
+           "single_agent": dict(num_iterations=3, games_per_iteration=32, batch_size=16)}
 OBSERVATION_LABELS = {"twenty_questions": "exact"}  # closed-set answers; other envs: "cluster"
 
 
@@ -677,25 +678,27 @@ def evaluate(model, tok, new_env, probe, tasks, args, two_player):
 # 6. Main loop
 # ----------------------------------------------------------------------------------------------
 def make_env(args):
-    """The env factory `new_env(seats=None)` (an `envs.Seated` game; default seats: the policy in
-    every seat), a bare probe env, the policy's `policy_defaults` and the env options."""
+    """`args` with every default set (DEFAULTS, BY_GAME, OBSERVATION_LABELS) and checked, the env
+    factory `new_env(seats=None)` (an `envs.Seated` game; default: self-play), a bare probe env and
+    the env options (user errors -> UserError)."""
     import envs
-    from common.models import UserError, policy_defaults
+    from common.models import UserError, policy_prompt_options
 
-    args = run_size(args)  # main has filled it; a caller outside main may leave env_id at None
+    args = with_defaults(args)
     if args.env_id not in envs.available():
         raise UserError(f"env {args.env_id!r} is not available in this checkout; available env "
                         f"ids: {', '.join(envs.available()) or 'none'}")
+    two_player = args.env_id in envs.TWO_PLAYER
+    game = BY_GAME["two_player" if two_player else "single_agent"]
+    args = dataclasses.replace(args, **{k: v for k, v in game.items() if getattr(args, k) is None})
+    if args.observation_labels == "auto":
+        labels = OBSERVATION_LABELS.get(args.env_id, "cluster")
+        args = dataclasses.replace(args, observation_labels=labels)
+    check_args(args)
     # a tiny policy was trained on prompts rendered with its recipe's env options: use the same ones
-    real = PRESETS["real"]
-    defaults = policy_defaults(args.model_name, args.env_id, args.tiny_preset,
-                               learning_rate=real["learning_rate"],
-                               max_new_tokens=real["max_new_tokens"],
-                               tiny_learning_rate=PRESETS["tiny"]["learning_rate"])
-    kw = dict(defaults.env_kwargs)
+    kw = dict(policy_prompt_options(args.model_name, args.env_id, args.tiny_preset).env_kwargs)
     if args.history is not None:
         kw["history"] = args.history
-    two_player = args.env_id in envs.TWO_PLAYER
 
     def make():
         env = envs.make(args.env_id, **kw)
@@ -715,21 +718,7 @@ def make_env(args):
     if unknown:
         raise UserError(f"--eval-opponents: unknown style(s) {unknown}; known: "
                         f"{', '.join(probe.opponent_styles())}")
-    return new_env, probe, defaults, kw
-
-
-def resolve_args(args, defaults):
-    """The options left at None or "auto" (PRESETS, GAME_PRESETS, OBSERVATION_LABELS): the values
-    the run uses and config.json records."""
-    import envs
-
-    game = GAME_PRESETS["two_player" if args.env_id in envs.TWO_PLAYER else "single_agent"]
-    labels = OBSERVATION_LABELS.get(args.env_id, "cluster")
-    if args.observation_labels == "auto":
-        args = dataclasses.replace(args, observation_labels=labels)
-    return fill_defaults(args, {**PRESETS["tiny" if defaults.is_tiny else "real"], **game,
-                                "learning_rate": defaults.learning_rate,
-                                "max_new_tokens": defaults.max_new_tokens})
+    return args, new_env, probe, kw
 
 
 def check_args(args):
@@ -781,21 +770,6 @@ def episode_record(ep, tag, weights=None):
             "turns": turns}
 
 
-def run_size(args):
-    """`args` with the run-size options left at None from RUN_SIZES (no entry: "default")."""
-    own = RUN_SIZES.get(args.model_name, {})
-    filled = {k: v for k, v in own.items() if getattr(args, k) is None}
-    if filled:  # a model with its own entry: say what it took
-        tqdm.write(f"{args.model_name}: " + ", ".join(f"{k}={v}" for k, v in filled.items()))
-    return fill_defaults(args, RUN_SIZES.get(args.model_name, RUN_SIZES["default"]))
-
-
-def fill_defaults(args, values):
-    """`args` with each option left at None set from `values` (PRESETS, the policy's defaults)."""
-    return dataclasses.replace(args, **{k: v for k, v in values.items()
-                                        if getattr(args, k) is None})
-
-
 def main(args: Args):
     import envs
     from common.models import load_policy
@@ -806,10 +780,7 @@ def main(args: Args):
     if args.torch_threads > 0:
         torch.set_num_threads(args.torch_threads)
     rng = seed_everything(args.seed)
-    args = run_size(args)
-    new_env, probe, defaults, env_kwargs = make_env(args)
-    args = resolve_args(args, defaults)
-    check_args(args)
+    args, new_env, probe, env_kwargs = make_env(args)
     two_player = args.env_id in envs.TWO_PLAYER
     eval_metric = "eval/payoff_share" if two_player else "eval/success"
     train_tasks = list(probe.task_ids("train"))

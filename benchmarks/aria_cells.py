@@ -59,7 +59,7 @@ def shares_from_metrics(run_dir: Path) -> list[dict]:
     """Per evaluation in metrics.jsonl: its iteration and the sampled payoff share of each cell, the mean
     of the cell's stretch of `eval/payoff_share_episodes` (every cell plays the same number of games)."""
     args = run_args(run_dir)
-    _, probe, _, _ = aria.make_env(args)
+    _, _, probe, _ = aria.make_env(args)
     names = cell_names(args, probe)
     out = []
     for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
@@ -85,7 +85,7 @@ def replay(run_dir: Path, before: bool = False) -> dict:
     if args.torch_threads > 0:
         torch.set_num_threads(args.torch_threads)
     aria.seed_everything(args.seed)
-    new_env, probe, _, _ = aria.make_env(args)
+    args, new_env, probe, _ = aria.make_env(args)
     model, tok = load_policy(args.model_name, env_id=args.env_id, tiny_preset=args.tiny_preset,
                              load_in_4bit=args.load_in_4bit, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
                              lora_dropout=args.lora_dropout)

@@ -405,13 +405,23 @@ def test_user_errors_are_one_clear_line(tiny_cache, tmp_path, flags, words):
 def test_make_env_gives_seated_games_and_a_bare_probe():
     import envs
 
-    new_env, probe, defaults, kw = aria.make_env(aria.Args(tiny_preset="micro", history=2))
-    assert not isinstance(probe, envs.Seated) and defaults.is_tiny and kw["history"] == 2
+    from common.models import policy_kind
+
+    args, new_env, probe, kw = aria.make_env(aria.Args(tiny_preset="micro", history=2))
+    assert not isinstance(probe, envs.Seated) and policy_kind(args.model_name) == "tiny"
+    assert kw["history"] == 2 and args.learning_rate == aria.DEFAULTS["tiny"]["learning_rate"]
+    # what the tiny row leaves at None comes from the game's BY_GAME row (two-player here)
+    assert (args.num_iterations, args.games_per_iteration, args.batch_size) == (8, 64, 32)
+    assert args.observation_labels == "cluster"
     game = new_env()  # default seats: self-play
     assert isinstance(game, envs.Seated) and set(game.seats.values()) == {"policy"}
     p0, p1 = probe.players
     style = probe.opponent_styles()[0]
     assert new_env({p0: "policy", p1: style}).seats == {p0: "policy", p1: style}
-    new_env, _, _, _ = aria.make_env(aria.Args(tiny_preset="micro", env_id="twenty_questions", max_turns=3))
+    args, new_env, _, _ = aria.make_env(aria.Args(tiny_preset="micro", env_id="twenty_questions", max_turns=3))
     game = new_env()
     assert game.players == ("agent",) and game.env.max_turns == 3
+    assert (args.num_iterations, args.games_per_iteration, args.batch_size) == (3, 32, 16)
+    assert args.observation_labels == "exact"  # closed-set answers (OBSERVATION_LABELS)
+    args, *_ = aria.make_env(aria.Args(model_name="smollm2-135m", env_id="twenty_questions", num_iterations=2))
+    assert (args.num_iterations, args.games_per_iteration, args.batch_size) == (2, 8, 8)  # a flag, the row
