@@ -43,6 +43,18 @@ def smol_tok(smollm2_cache):
     return AutoTokenizer.from_pretrained(str(smollm2_cache / "smollm2-135m"))
 
 
+@pytest.fixture(scope="module")
+def chat_tok(random_qwen2_dir):
+    """A small byte-level BPE tokenizer with a chat template (tests/conftest.py): what the malformed-text
+    tests need of a tokenizer, without the SmolLM2 download."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(random_qwen2_dir))
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
 def _one_line(excinfo) -> str:
     msg = str(excinfo.value)
     assert msg and "\n" not in msg, repr(msg)
@@ -312,7 +324,8 @@ def _finished_and_cut(tok, text):
     return [ids + [tok.eos_token_id], ids + newline], len(ids) + 1
 
 
-def test_completion_text_reads_only_finished_completions(smol_tok):
+def test_completion_text_reads_only_finished_completions(chat_tok):
+    smol_tok = chat_tok
     import graphgpo
 
     (done, cut), _ = _finished_and_cut(smol_tok, "<think>The box is above me.</think><action>up</action>")
@@ -324,9 +337,10 @@ def test_completion_text_reads_only_finished_completions(smol_tok):
 
 
 @pytest.mark.parametrize("script", ["graphgpo.py", "istar.py", "delta_belief.py", "aria.py", "epo.py"])
-def test_cut_completion_is_an_invalid_action(smol_tok, script):
+def test_cut_completion_is_an_invalid_action(chat_tok, script):
     """The same well-formed action text is valid when the completion ends with EOS and invalid when it was
     cut at max_new_tokens (no EOS): over-long completions are invalid actions."""
+    smol_tok = chat_tok
     import envs
 
     mod = _module(script)
