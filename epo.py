@@ -36,7 +36,7 @@ Example
     python epo.py                       # tiny Negotiation, rule agent, rule PRM, CPU
     python epo.py --prm none            # outcome only
     python epo.py --weights ones        # EPO-SFT ablation
-    python epo.py --model-name smollm2-135m   # SmolLM2 + its strategist adapter (RUN_SIZES)
+    python epo.py --model-name smollm2-135m   # SmolLM2 + its strategist adapter (DEFAULTS)
     python epo.py --model-name Qwen/Qwen2.5-1.5B-Instruct --agent base --prm llm \\
         --learning-rate 2e-5
 """
@@ -73,7 +73,7 @@ class Args:
     output_dir: str = "runs"  # directory under which the run directory is created
     track: bool = False  # also log to TensorBoard (only if tensorboard is installed)
     save_model: bool = True  # save the LoRA adapter to <run>/adapter at checkpoints and at the end
-    checkpoint_every: Optional[int] = None  # checkpoint each N iterations (0: end); None: RUN_SIZES
+    checkpoint_every: Optional[int] = None  # checkpoint each N iterations (0: end); None: DEFAULTS
     resume: Optional[str] = None  # a run dir to continue from its checkpoint.pt and config.json
     torch_threads: int = 0  # CPU threads for torch (0: leave torch's default)
 
@@ -89,30 +89,33 @@ class Args:
     static_cache: bool = False
     """static KV cache in generate (batches padded to a power of two); transformers compiles it
     on CUDA, but not for 4-bit weights (docs/gpu.md)"""
-    max_new_tokens: Optional[int] = None  # most tokens per strategy; None: PRESETS or tiny recipe
+    max_new_tokens: Optional[int] = None  # most tokens per strategy; None: the policy's, or DEFAULTS
     temperature: float = 0.7  # strategist's sampling temperature in training (official: 0.7)
+    score_temperature: Optional[float] = None
+    """temperature of the log-probs the loss trains (official: 1, `logits.log_softmax(-1)`);
+    None: DEFAULTS (the tiny strategist's measured runs: 0.7, docs/epo.md)"""
     eval_temperature: float = 0.7  # sampled evaluation's temperature (greedy is evaluated too)
 
     # environment
-    env_id: Optional[str] = None  # negotiation, or single-agent with --agent base; None: RUN_SIZES
+    env_id: Optional[str] = None  # negotiation, or single-agent with --agent base; None: DEFAULTS
     history: Optional[int] = None  # past moves in the prompt; None: the env's or tiny recipe's
     agent: Literal["rule", "base"] = "rule"  # frozen agent: the env's rules or the base model
     agent_temperature: float = 0.0  # base agent's temperature (0: greedy; official action agent: 0)
-    agent_max_new_tokens: Optional[int] = None  # most tokens per agent message; None: PRESETS
-    train_opponent: Optional[str] = None  # 'self' (paper), 'rule:STYLE', 'rule:any'; None: PRESETS
-    eval_num_tasks: Optional[int] = None  # both roles x every style (0: all); None: RUN_SIZES
+    agent_max_new_tokens: Optional[int] = None  # most tokens per agent message; None: DEFAULTS
+    train_opponent: Optional[str] = None  # 'self' (paper), 'rule:STYLE', 'rule:any'; None: DEFAULTS
+    eval_num_tasks: Optional[int] = None  # both roles x every style (0: all); None: DEFAULTS
     eval_opponents: tuple[str, ...] = ()  # scripted styles of the evaluation (empty: all)
-    eval_every: Optional[int] = None  # evaluate every N iterations, first and last; None: RUN_SIZES
+    eval_every: Optional[int] = None  # evaluate every N iterations, first and last; None: DEFAULTS
     eval_selfplay: bool = True  # also evaluate self-chat (both roles the strategist)
     num_logged_episodes: int = 4  # decoded episodes per evaluation written to samples.jsonl
 
     # algorithm
-    num_iterations: Optional[int] = None  # (the paper plateaus after about 5); None: RUN_SIZES
-    episodes_per_iteration: Optional[int] = None  # games (self-chat: 2 trajectories); RUN_SIZES
+    num_iterations: Optional[int] = None  # (the paper plateaus after about 5); None: DEFAULTS
+    episodes_per_iteration: Optional[int] = None  # games (self-chat: 2 trajectories); DEFAULTS
     num_epochs: int = 3  # training epochs over each iteration's trajectories (official: 3)
     trajectories_per_step: int = 8  # trajectories per optimizer step (official: 1 x accumulation 8)
-    micro_batch_size: Optional[int] = None  # turns (and LLM PRM prompts) per forward; None: PRESETS
-    learning_rate: Optional[float] = None  # AdamW lr; None: PRESETS (official, full FT: 1e-6)
+    micro_batch_size: Optional[int] = None  # turns (and LLM PRM prompts) per forward; None: DEFAULTS
+    learning_rate: Optional[float] = None  # AdamW lr; None: DEFAULTS (official, full FT: 1e-6)
     warmup_ratio: float = 0.03  # warm-up share of an iteration's steps, then cosine to 0 (official)
     weight_decay: float = 0.0  # AdamW weight decay (official: 0)
     max_grad_norm: float = 1.0  # gradient clipping norm (official: 1.0)
@@ -121,30 +124,36 @@ class Args:
     prm_top_k: int = 2  # rule PRM: at most this many critical turns per trajectory
     prm_min_gain: float = 1e-6  # rule PRM: a turn is critical only if its progress gain > this
     prm_min_final: Optional[float] = None
-    """rule PRM: no critical turn in a game ending below this progress; None: by model (PRESETS)"""
+    """rule PRM: no critical turn in a game ending below this progress; None: DEFAULTS"""
     prm_temperature: float = 0.7  # LLM PRM sampling temperature (official: 0.7)
-    prm_max_new_tokens: Optional[int] = None  # LLM PRM answer length; None: by model (PRESETS)
+    prm_max_new_tokens: Optional[int] = None  # LLM PRM answer length; None: DEFAULTS
     weights: Literal["epo", "ones"] = "epo"  # PRM + outcome returns, or all 1 (EPO-SFT ablation)
     return_norm: Optional[Literal["trajectory", "batch"]] = None  # G/max|G| (official: trajectory)
 
 
-# The options left at None depend on the model; `resolve_args` fills them from here. "real": any
-# pretrained model (the paper's setting; lr for LoRA); "tiny": the tiny strategist as measured
-# (docs/epo.md), its GAME_OPTIONS only in a two-player game (no scripted styles elsewhere).
-PRESETS = {"real": dict(learning_rate=2e-5, max_new_tokens=48, agent_max_new_tokens=128,
-                        prm_max_new_tokens=256, micro_batch_size=8, train_opponent="self",
-                        return_norm="trajectory", prm_min_final=0.0),
-           "tiny": dict(learning_rate=5e-4, agent_max_new_tokens=16, prm_max_new_tokens=32,
-                        micro_batch_size=32, train_opponent="rule:any", return_norm="batch",
-                        prm_min_final=0.5)}
-GAME_OPTIONS = ("train_opponent", "return_norm", "prm_min_final")
-# The run's size (options left at None): the tiny CPU run and SmolLM2 with its Negotiation
-# strategist adapter, under an hour on 2 CPU cores (docs/smollm2.md).
-RUN_SIZES = {"default": dict(env_id="negotiation", num_iterations=40, episodes_per_iteration=64,
-                             eval_num_tasks=0, eval_every=10, checkpoint_every=5),
-             "smollm2-135m": dict(env_id="negotiation", num_iterations=6, episodes_per_iteration=8,
-                                  learning_rate=1e-4, eval_num_tasks=4, eval_every=3,
-                                  checkpoint_every=1)}
+# Every option left at None, by model (`with_defaults`, then `make_env`): "tiny", the tiny strategist
+# as measured (docs/epo.md), its game aids (TINY_GAME_AIDS) only in a two-player game;
+# "smollm2-135m", SmolLM2 with its strategist adapter, under an hour on 2 CPU cores
+# (docs/smollm2.md); "*", any other model, the paper's self-chat with a LoRA learning rate. A tiny
+# or shipped strategist brings its own strategy budget (common/models.py).
+DEFAULTS = {
+    "tiny": dict(env_id="negotiation", num_iterations=40, episodes_per_iteration=64,
+                 eval_num_tasks=0, eval_every=10, checkpoint_every=5, learning_rate=5e-4,
+                 agent_max_new_tokens=16, prm_max_new_tokens=32, micro_batch_size=32,
+                 train_opponent="rule:any", return_norm="batch", prm_min_final=0.5,
+                 score_temperature=0.7),
+    "smollm2-135m": dict(env_id="negotiation", num_iterations=6, episodes_per_iteration=8,
+                         eval_num_tasks=4, eval_every=3, checkpoint_every=1, learning_rate=1e-4,
+                         agent_max_new_tokens=128, prm_max_new_tokens=256, micro_batch_size=8,
+                         train_opponent="self", return_norm="trajectory", prm_min_final=0.0,
+                         score_temperature=1.0),
+    "*": dict(env_id="negotiation", num_iterations=40, episodes_per_iteration=64, eval_num_tasks=0,
+              eval_every=10, checkpoint_every=5, learning_rate=2e-5, max_new_tokens=48,
+              agent_max_new_tokens=128, prm_max_new_tokens=256, micro_batch_size=8,
+              train_opponent="self", return_norm="trajectory", prm_min_final=0.0,
+              score_temperature=1.0),
+}
+TINY_GAME_AIDS = ("train_opponent", "return_norm", "prm_min_final")  # single agent: the "*" values
 
 
 # ----------------------------------------------------------------------------------------------
@@ -433,7 +442,7 @@ def compute_advantages(episodes, args, signal=None):
     `signal`: the LLM PRM's critical marks, one per turn; None: --prm rule or none."""
     turns = [(ep, t) for ep in episodes for t in range(ep.length)]
     if args.return_norm is None or args.prm_min_final is None:
-        raise ValueError("--return-norm, --prm-min-final unresolved: call resolve_args first")
+        raise ValueError("--return-norm, --prm-min-final unresolved: call make_env first")
     if (signal is None and args.prm == "llm") or (signal is not None and len(signal) != len(turns)):
         raise ValueError("--prm llm: pass the LLM PRM's critical marks, one per turn, as `signal`")
     if signal is not None:
@@ -631,7 +640,7 @@ def update(model, tok, optimizer, samples, args, rng):
                 chunk = turns[c:c + args.micro_batch_size]
                 lp, mask = completion_logprobs(model, tok, [x.prompt for _, x in chunk],
                                                [x.completion for _, x in chunk],
-                                               temperature=args.temperature)
+                                               temperature=args.score_temperature)
                 loss = lp.sum() * 0.0
                 for j in sorted({j for j, _ in chunk}):
                     rows = [r for r, (jj, _) in enumerate(chunk) if jj == j]
@@ -695,27 +704,39 @@ def episode_record(ep: Episode, tag: str) -> dict:
 # ----------------------------------------------------------------------------------------------
 # 6. Main loop
 # ----------------------------------------------------------------------------------------------
-def make_env(args):
-    """The env factory `new_env(task, seats)` (an `envs.Seated` game reset to `task`), a probe, the
-    policy's model-dependent defaults and the env options; user errors -> UserError."""
-    import envs
-    from common.models import UserError, policy_defaults
+def strategist_policy(args):
+    """What the strategist policy fixes (`common.models.policy_prompt_options`, with the tiny
+    strategist's recipe overrides): its env options, its strategy budget, is_tiny, sft."""
+    from common.models import policy_prompt_options
     from common.tiny import strategist_overrides
 
-    args = run_size(args)  # main has filled it; a caller outside main may leave env_id at None
+    return policy_prompt_options(args.model_name, args.env_id, args.tiny_preset,
+                                 strategist_overrides(args.env_id))
+
+
+def make_env(args):
+    """`args` with every default set (DEFAULTS) and checked, the env factory `new_env(task, seats)`
+    (an `envs.Seated` game reset to `task`), a probe and the env options; errors -> UserError."""
+    import envs
+    from common.models import UserError
+
+    unset = [k for k in TINY_GAME_AIDS if getattr(args, k) is None]
+    args = with_defaults(args)
     if args.env_id not in envs.available():
         raise UserError(f"env {args.env_id!r} is not available in this checkout; available env "
                         f"ids: {', '.join(envs.available()) or 'none'}")
     two_player, strategy_moves = args.env_id in envs.TWO_PLAYER, args.env_id in envs.STRATEGY_MOVES
-    defaults = policy_defaults(args.model_name, args.env_id, args.tiny_preset,
-                               strategist_overrides(args.env_id),
-                               learning_rate=PRESETS["real"]["learning_rate"],
-                               max_new_tokens=PRESETS["real"]["max_new_tokens"],
-                               tiny_learning_rate=PRESETS["tiny"]["learning_rate"])
-    kw = dict(defaults.env_kwargs)  # a tiny policy's recipe options: the prompts it was trained on
+    if not two_player:  # the tiny row's game aids need scripted styles
+        args = dataclasses.replace(args, **{k: DEFAULTS["*"][k] for k in unset})
+    policy = strategist_policy(args)
+    if args.max_new_tokens is None:  # the strategist's recipe (tiny_overrides), else the "*" row
+        args = dataclasses.replace(args, max_new_tokens=policy.max_new_tokens
+                                   or DEFAULTS["*"]["max_new_tokens"])
+    check_args(args)
+    kw = dict(policy.env_kwargs)  # a tiny policy's recipe options: the prompts it was trained on
     if strategy_moves:
         kw["moves"] = "strategy"
-        if not defaults.is_tiny:  # the paper's strategist reads the whole game (the view: 4 moves)
+        if not policy.is_tiny:  # the paper's strategist reads the whole game (the view: 4 moves)
             kw.setdefault("history", None)
     if args.history is not None:
         kw["history"] = args.history
@@ -725,7 +746,7 @@ def make_env(args):
     except ValueError as e:
         raise UserError(f"env {args.env_id!r}: {e}") from None
     styles = probe.opponent_styles() if two_player else []
-    opponent = "self" if args.train_opponent is None else args.train_opponent  # None: PRESETS
+    opponent = args.train_opponent
     style = opponent.split(":", 1)[1] if opponent.startswith("rule:") else None
     if args.agent == "rule" and not strategy_moves:
         raise UserError(f"--agent rule needs an env with a strategy-following rule agent "
@@ -743,20 +764,7 @@ def make_env(args):
     def new_env(task, seats):
         return envs.Seated(envs.make(args.env_id, **kw), seats).reset(task)
 
-    return new_env, probe, defaults, kw
-
-
-def resolve_args(args, defaults):
-    """`args` with the options left at None filled in (PRESETS; the learning rate and the strategy
-    budget through `defaults`): the values the run uses and config.json records."""
-    import envs
-
-    preset = PRESETS["tiny" if defaults.is_tiny else "real"]
-    game = PRESETS["tiny" if defaults.is_tiny and args.env_id in envs.TWO_PLAYER else "real"]
-    budgets = ("agent_max_new_tokens", "prm_max_new_tokens", "micro_batch_size")
-    return fill_defaults(args, {
-        "learning_rate": defaults.learning_rate, "max_new_tokens": defaults.max_new_tokens,
-        **{k: preset[k] for k in budgets}, **{k: game[k] for k in GAME_OPTIONS}})
+    return args, new_env, probe, kw
 
 
 def check_args(args):
@@ -771,21 +779,8 @@ def check_args(args):
         raise UserError("--micro-batch-size, --trajectories-per-step: >= 1; --eval-num-tasks: >= 0")
     if not 0.0 <= args.prm_min_final <= 1.0:
         raise UserError("--prm-min-final must be in [0, 1] (the env's progress scale)")
-
-
-def run_size(args):
-    """`args` with the run-size options left at None from RUN_SIZES (no entry: "default")."""
-    own = RUN_SIZES.get(args.model_name, {})
-    filled = {k: v for k, v in own.items() if getattr(args, k) is None}
-    if filled:  # a model with its own entry: say what it took
-        tqdm.write(f"{args.model_name}: " + ", ".join(f"{k}={v}" for k, v in filled.items()))
-    return fill_defaults(args, RUN_SIZES.get(args.model_name, RUN_SIZES["default"]))
-
-
-def fill_defaults(args, values):
-    """`args` with each option left at None set from `values` (PRESETS, the policy's defaults)."""
-    return dataclasses.replace(args, **{k: v for k, v in values.items()
-                                        if getattr(args, k) is None})
+    if not args.score_temperature > 0:
+        raise UserError("--score-temperature must be > 0 (official: 1)")
 
 
 def main(args: Args):
@@ -799,16 +794,14 @@ def main(args: Args):
     if args.torch_threads > 0:
         torch.set_num_threads(args.torch_threads)
     rng = seed_everything(args.seed)
-    args = run_size(args)
-    new_env, probe, defaults, env_kwargs = make_env(args)
-    args = resolve_args(args, defaults)
-    check_args(args)
+    args, new_env, probe, env_kwargs = make_env(args)
+    policy = strategist_policy(args)
     two_player = args.env_id in envs.TWO_PLAYER
     players = list(probe.players) if two_player else ["agent"]
     styles = list(probe.opponent_styles()) if two_player else []
     train_tasks = list(probe.task_ids("train"))
     test_tasks = list(probe.task_ids("test"))[: args.eval_num_tasks or None]  # 0: all of them
-    real = not (defaults.is_tiny or defaults.sft)  # instruct: own prompts; tiny, SFT: the demos
+    real = not (policy.is_tiny or policy.sft)  # instruct: own prompts; tiny, SFT: the demos
     model, tok = load_policy(args.model_name, env_id=args.env_id, tiny_preset=args.tiny_preset,
                              load_in_4bit=args.load_in_4bit, lora_r=args.lora_r,
                              lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,

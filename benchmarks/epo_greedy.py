@@ -45,16 +45,15 @@ def setup(run_dir: Path):
     saved = json.loads((run_dir / "config.json").read_text())  # the run's arguments, as resolved
     fields = {f.name for f in dataclasses.fields(E.Args)}
     args = E.Args(**{k: v for k, v in saved.items() if k in fields and k != "resume"})
-    args = E.run_size(args)
-    new_env, probe, defaults, _ = E.make_env(args)
-    args = E.resolve_args(args, defaults)
+    args, new_env, probe, _ = E.make_env(args)
     players = list(probe.players) if args.env_id in envs.TWO_PLAYER else ["agent"]
     styles = list(args.eval_opponents) or (list(probe.opponent_styles())
                                            if args.env_id in envs.TWO_PLAYER else [])
     tasks = list(probe.task_ids("test"))[: args.eval_num_tasks or None]
     specs = ([(t, r, s) for s in styles for r in players for t in tasks] if styles
              else [(t, "agent", "") for t in tasks])
-    real = not (defaults.is_tiny or defaults.sft)
+    policy = E.strategist_policy(args)
+    real = not (policy.is_tiny or policy.sft)
     return args, new_env, players, specs, real
 
 

@@ -107,7 +107,7 @@ def test_compute_advantages_return_norm():
     assert stats["credit/weight_mean"] == pytest.approx(2.5 / 3) and stats["credit/critical_frac"] == 0.0
     epo.compute_advantages(eps, epo.Args(prm="none", gamma=1.0, return_norm="trajectory", prm_min_final=0.0))
     assert eps[0].weights == [1.0, 1.0] and eps[1].weights == [1.0]
-    with pytest.raises(ValueError, match="resolve_args"):  # options left at None are resolved by resolve_args
+    with pytest.raises(ValueError, match="make_env"):  # options left at None are resolved by make_env
         epo.compute_advantages(eps, epo.Args(prm="none"))
 
 
@@ -349,9 +349,8 @@ def test_instruct_strategist_sees_its_own_earlier_strategies():
 def test_make_env_gives_reset_seated_games():
     import envs
 
-    new_env, probe, defaults, kw = epo.make_env(epo.Args(tiny_preset="micro"))
-    args = epo.resolve_args(epo.run_size(epo.Args(tiny_preset="micro")), defaults)
-    assert kw["moves"] == "strategy" and kw["history"] is None and defaults.is_tiny
+    args, new_env, probe, kw = epo.make_env(epo.Args(tiny_preset="micro"))
+    assert kw["moves"] == "strategy" and kw["history"] is None and epo.strategist_policy(args).is_tiny
     # the tiny strategist's recipe overrides (common/tiny.py); none in an env whose moves are not strategies
     from common.tiny import strategist_overrides
 
@@ -375,31 +374,31 @@ def test_eval_opponents_are_checked_against_the_games_styles():
     epo.make_env(epo.Args(eval_opponents=("fair",)))  # a style of the game: accepted
 
 
-def test_defaults_resolve_by_model_and_keep_explicit_flags():
-    from types import SimpleNamespace
+REAL = "Qwen/Qwen2.5-1.5B-Instruct"  # any model without its own DEFAULTS row (nothing is loaded)
 
-    def resolved(is_tiny, two_player, **flags):
-        defaults = SimpleNamespace(is_tiny=is_tiny, learning_rate=1e-4, max_new_tokens=24)
-        env_id = "negotiation" if two_player else "webshop"
-        args = epo.resolve_args(epo.Args(env_id=env_id, **flags), defaults)
+
+def test_defaults_resolve_by_model_and_keep_explicit_flags():
+    def resolved(model, two_player, **flags):
+        env = dict(env_id="negotiation") if two_player else dict(env_id="webshop", agent="base")
+        args = epo.make_env(epo.Args(model_name=model, tiny_preset="micro", **env, **flags))[0]
         return args.train_opponent, args.return_norm, args.prm_min_final
 
-    assert resolved(True, True) == ("rule:any", "batch", 0.5)  # the tiny strategist: scripted styles
-    assert resolved(False, True) == ("self", "trajectory", 0.0)  # a real model: the paper's self-chat
-    assert resolved(True, False) == ("self", "trajectory", 0.0)  # a single-agent env has no styles
-    assert resolved(True, True, train_opponent="self", prm_min_final=0.0) == ("self", "batch", 0.0)
-    assert resolved(False, True, return_norm="batch") == ("self", "batch", 0.0)
+    assert resolved("tiny", True) == ("rule:any", "batch", 0.5)  # the tiny strategist: scripted styles
+    assert resolved(REAL, True) == ("self", "trajectory", 0.0)  # a real model: the paper's self-chat
+    assert resolved("tiny", False) == ("self", "trajectory", 0.0)  # a single-agent env has no styles
+    assert resolved("tiny", True, train_opponent="self", prm_min_final=0.0) == ("self", "batch", 0.0)
+    assert resolved(REAL, True, return_norm="batch") == ("self", "batch", 0.0)
 
 
 def test_token_budgets_and_learning_rate_resolve_by_model():
-    from types import SimpleNamespace
+    def budgets(**flags):
+        a = epo.make_env(epo.Args(**flags))[0]
+        return (a.learning_rate, a.max_new_tokens, a.agent_max_new_tokens, a.prm_max_new_tokens,
+                a.score_temperature)
 
-    tiny = SimpleNamespace(is_tiny=True, learning_rate=5e-4, max_new_tokens=24)
-    real = SimpleNamespace(is_tiny=False, learning_rate=2e-5, max_new_tokens=48)
-    budgets = lambda a: (a.learning_rate, a.max_new_tokens, a.agent_max_new_tokens, a.prm_max_new_tokens)  # noqa
-    assert budgets(epo.resolve_args(epo.Args(), tiny)) == (5e-4, 24, 16, 32)
-    assert budgets(epo.resolve_args(epo.Args(), real)) == (2e-5, 48, 128, 256)
-    assert budgets(epo.resolve_args(epo.Args(learning_rate=1e-3, prm_max_new_tokens=8), real)) == (1e-3, 48, 128, 8)
+    assert budgets() == (5e-4, 24, 16, 32, 0.7)  # the tiny strategist's recipe gives the 24
+    assert budgets(model_name=REAL) == (2e-5, 48, 128, 256, 1.0)  # the official loss: T = 1
+    assert budgets(model_name=REAL, learning_rate=1e-3, prm_max_new_tokens=8) == (1e-3, 48, 128, 8, 1.0)
 
 
 def test_end_to_end_self_chat_by_flag(runs):
