@@ -1,12 +1,10 @@
 """SmolLM2-135M-Instruct (`--model-name smollm2-135m`) through every script on CPU: zero-shot success on
 every env, with and without the think format; time per iteration (rollout / credit / update), tokens per
-second and peak memory of each script, plain and 4-bit; and GraphGPO on Sokoban warm-started by SFT on
-the tiny recipe's demonstrations, before and after RL.
+second and peak memory of each script, plain and 4-bit. (Its SFT-then-RL stage on Sokoban, superseded by
+the shipped SmolLM2 adapters, docs/smollm2.md, is in git history: `git show bee9ea9:benchmarks/real_model.py`.)
 
     python benchmarks/real_model.py zeroshot                 # every env x {think, action}: greedy episodes
     python benchmarks/real_model.py timing                   # every script x {plain, 4-bit}: one iteration
-    python benchmarks/real_model.py sft-rl                   # SFT, then graphgpo.py for --rl-iterations
-    python benchmarks/real_model.py sft-rl --sft-checkpoint runs/real_model/smollm2_sft_sokoban  # RL only
     python benchmarks/real_model.py report                   # docs/real_model.md from the raw results
 
 Every stage appends one JSON object per measurement to docs/results/real_model.jsonl (the raw results;
@@ -25,12 +23,6 @@ Timing: each script as a subprocess on its default env with a fixed small budget
 per-phase seconds are the script's own `perf/` metrics, peak memory is the subprocess's maximum resident
 set size (`os.wait4`), and the zero-shot column is the script's own first evaluation (its main metric).
 
-SFT + RL: LoRA SFT of SmolLM2 on the tiny Sokoban recipe's noisy-expert demonstrations (`common.tiny.
-collect_demos`, same seed and noise; rendered with the instruct prompt, target `<action>move</action>`),
-merged into a checkpoint directory whose `tiny_meta.json` records the recipe's env options (1 box, no
-history) so that `graphgpo.py --model-name <dir>` plays the env the demonstrations came from; then
-`graphgpo.py` with `--rl-iterations` iterations; the learning block of its summary.json (eval/success
-before and after RL, with standard errors) is the result.
 """
 
 from __future__ import annotations
@@ -39,7 +31,6 @@ import argparse
 import json
 import math
 import os
-import random
 import subprocess
 import sys
 import time
@@ -49,7 +40,6 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from learning import run_learning  # noqa: E402 - the learning block of a finished run
 
 RESULTS = REPO / "docs" / "results" / "real_model.jsonl"
 REPORT = REPO / "docs" / "real_model.md"
@@ -267,139 +257,6 @@ def phases(rec):
             "iteration": round(total, 1)}
 
 
-# ----------------------------------------------------------------------------------------------
-# SFT on the tiny recipe's demonstrations, then RL (GraphGPO on Sokoban)
-# ----------------------------------------------------------------------------------------------
-SFT_ENV = "sokoban"
-
-
-def sft_demos(num_episodes):
-    """The tiny Sokoban recipe's demonstrations (same seed, noise and labels), rendered with the instruct
-    prompt: the recipe's env options except `instructions` (SmolLM2 reads the full prompt)."""
-    from common import tiny
-
-    recipe = tiny.full_recipe(SFT_ENV, "default")
-    env_kwargs = {k: v for k, v in recipe["env_kwargs"].items() if k != "instructions"}
-    recipe = {**recipe, "env_kwargs": env_kwargs, "demo_episodes": num_episodes or recipe["demo_episodes"]}
-    demos, stats = tiny.collect_demos(SFT_ENV, recipe, progress=False)
-    return demos, stats, env_kwargs, recipe
-
-
-def sft(args):
-    """LoRA SFT of SmolLM2 on the demonstrations; returns the merged checkpoint directory and facts."""
-    import torch
-
-    import graphgpo as g
-    from common.models import load_policy
-
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    demos, stats, env_kwargs, recipe = sft_demos(args.sft_episodes)
-    model, tok = load_policy(MODEL, load_in_4bit=False, lora_r=args.lora_r, lora_alpha=2 * args.lora_r, device="cpu")
-    examples = []
-    for messages, label in demos:
-        prompt = g.encode(tok, g.render_prompt(tok, messages))
-        examples.append((prompt, g.encode(tok, f"<action>{label}</action>") + [tok.eos_token_id]))
-    rng = random.Random(args.seed)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.sft_lr, weight_decay=0.0)
-    model.train()
-    t0, losses = time.time(), []
-    for step in range(args.sft_steps):
-        batch = rng.sample(examples, min(args.sft_batch, len(examples)))
-        lp, mask = g.completion_logprobs(model, tok, [p for p, _ in batch], [c for _, c in batch])
-        loss = -(lp * mask).sum() / mask.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        for group in opt.param_groups:  # linear decay to 10%
-            group["lr"] = args.sft_lr * (1.0 - 0.9 * step / max(1, args.sft_steps - 1))
-        opt.step()
-        losses.append(loss.item())
-        if step % 10 == 0 or step == args.sft_steps - 1:
-            print(f"sft step {step + 1}/{args.sft_steps}: loss {loss.item():.3f} ({time.time() - t0:.0f} s)", flush=True)
-    sft_seconds = time.time() - t0
-    out = Path(args.work_dir) / "smollm2_sft_sokoban"
-    merged = model.merge_and_unload()
-    merged.save_pretrained(str(out))
-    tok.save_pretrained(str(out))
-    # The env options its prompts were rendered with, where policy_defaults reads them (a recipe in
-    # tiny_meta.json): graphgpo.py then plays the 1-box Sokoban of the demonstrations. Not a tiny policy.
-    (out / "tiny_meta.json").write_text(json.dumps({
-        "note": "SmolLM2-135M-Instruct after LoRA SFT on the tiny Sokoban recipe's demonstrations "
-                "(benchmarks/real_model.py); the recipe block records the env options of its prompts",
-        "recipe": {"env_id": SFT_ENV, "env_kwargs": env_kwargs, "max_new_tokens": args.rl_max_new_tokens}}, indent=2))
-    facts = {"sft_steps": args.sft_steps, "sft_batch": args.sft_batch, "sft_lr": args.sft_lr, "lora_r": args.lora_r,
-             "sft_examples": len(examples), "demo_episodes": recipe["demo_episodes"], "demo_stats": stats,
-             "sft_seconds": round(sft_seconds, 1), "sft_loss_first": losses[0] if losses else None,
-             "sft_loss_last10": sum(losses[-10:]) / max(1, len(losses[-10:])), "env_kwargs": env_kwargs}
-    (out / "sft_facts.json").write_text(json.dumps(facts, indent=2))  # read back by --sft-checkpoint
-    del model, merged
-    return out, facts
-
-
-def reuse_sft(path):
-    """An earlier `sft` checkpoint (`--sft-checkpoint`): its directory and the facts saved beside it."""
-    ckpt = Path(path)
-    if not (ckpt / "config.json").is_file():
-        raise SystemExit(f"--sft-checkpoint {ckpt}: no checkpoint there (expected <work-dir>/smollm2_sft_sokoban "
-                         "from an earlier sft-rl run)")
-    facts_file = ckpt / "sft_facts.json"
-    facts = json.loads(facts_file.read_text()) if facts_file.is_file() else {}
-    return ckpt, {**facts, "sft_checkpoint": str(ckpt), "sft_reused": True}
-
-
-def rl_signal(iterations, episodes_per_iteration):
-    """What the RL stage had to learn from, from its metrics rows: sampled training success, and in
-    how many iterations the credit was not all zero (mean |A| above 1e-6; below is float noise).
-    Without a solved episode a group's graph has no goal (every distance is 1), so only a return
-    that differs (an invalid action's penalty) moves it."""
-    return {"rl_episodes": episodes_per_iteration * len(iterations),
-            "rl_sampled_success": sum(r["charts/success"] for r in iterations) / max(1, len(iterations)),
-            "rl_nonzero_adv_iterations": sum(r.get("credit/adv_abs_mean", 0.0) > 1e-6 for r in iterations),
-            "rl_iterations": len(iterations)}
-
-
-def sft_rl(args):
-    load0 = load_avg()
-    ckpt, facts = reuse_sft(args.sft_checkpoint) if args.sft_checkpoint else sft(args)
-    out = Path(args.work_dir) / "sft_rl_runs"
-    out.mkdir(parents=True, exist_ok=True)
-    extra = ["--load-in-4bit", "False", "--num-iterations", str(args.rl_iterations),
-             "--eval-every", str(args.rl_iterations), "--eval-num-tasks", str(args.eval_num_tasks),
-             "--tasks-per-iteration", str(args.rl_tasks), "--group-size", str(args.rl_group),
-             "--max-new-tokens", str(args.rl_max_new_tokens), "--learning-rate", str(args.rl_lr),
-             "--max-turns", str(args.rl_max_turns), "--checkpoint-every", "0", "--seed", str(args.seed),
-             "--micro-batch-size", str(args.rl_micro_batch)]
-    cmd_model = str(ckpt)
-    cmd = [sys.executable, str(REPO / "graphgpo.py"), "--model-name", cmd_model, "--output-dir", str(out),
-           "--torch-threads", str(args.threads), *extra]
-    t0 = time.time()
-    with open(out / "log.txt", "w") as fh:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(proc.pid, 0)
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"graphgpo.py failed:\n{(out / 'log.txt').read_text()[-800:]}")
-    run_dir = sorted((p for p in out.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime)[-1]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    it = [r for r in rows if "perf/iteration_seconds" in r]
-    signal = rl_signal(it, args.rl_tasks * args.rl_group)
-    rec = {"kind": "sft_rl", "model": MODEL, "script": "graphgpo.py", "env_id": SFT_ENV, **facts,
-           "rl_args": extra, "rl_wall_seconds": round(time.time() - t0, 1),
-           "rl_train_seconds": round(sum(r["perf/iteration_seconds"] for r in it), 1),
-           "rl_peak_rss_gb": round(usage.ru_maxrss / 2 ** 20, 2), "learning": run_learning(run_dir),
-           "first_eval": summary["first_eval"], "last_eval": summary["last_eval"], "threads": args.threads,
-           "load_avg": max(load0, load_avg()), **signal}
-    append(rec, args.results)
-    s = run_learning(run_dir)
-    print(f"GraphGPO after SFT: {s['metric']} {s['before']:.3f} ± {s['before_se']:.3f} -> {s['after']:.3f} ± "
-          f"{s['after_se']:.3f} ({s['change']:+.3f} ± {s['change_se']:.3f})", flush=True)
-
-
-# ----------------------------------------------------------------------------------------------
-# Report
-# ----------------------------------------------------------------------------------------------
 def latest(records, kind, key):
     out = {}
     for r in records:
@@ -418,9 +275,8 @@ def render_report(records) -> str:
              "The committed rows: zero-shot with the defaults (`zeroshot --threads 1`: 4 test tasks per "
              "env, at most 6 turns), the timing of all five scripts in fp32 and 4-bit (`timing --threads 2`, "
              "nothing else running: load 1.5-2.0; ARIA's update is near 0 s because every zero-shot "
-             "self-play turn was invalid, so every REINFORCE weight was 0 and nothing was back-propagated), "
-             "and `sft-rl --threads 2` with its defaults. Each stage's command appends new rows; the "
-             "report shows the last of each key.", "",
+             "self-play turn was invalid, so every REINFORCE weight was 0 and nothing was back-propagated). "
+             "Each stage's command appends new rows; the report shows the last of each key.", "",
              "These rows do not use the shipped SmolLM2 adapters. Learning from them (each script's SmolLM2 "
              "run and its baseline on held-out seeds, beside the tiny rows, generated by "
              "`benchmarks/report.py`): [results.md](results.md#smollm2-135m); the adapters, run sizes and the "
@@ -453,7 +309,7 @@ def render_report(records) -> str:
                   "20:` (it continues the user message; the env: \"not a single question\"), on Sokoban "
                   "`#1\\n#2\\n#3 ...` until cut; neither has `<action>`. So the zero rows measure the model, not the "
                   "parser: a run on SmolLM2 starts from a policy with almost no valid actions, which is why the "
-                  "RL stage first fine-tunes it on the expert demonstrations (`sft-rl`).", ""]
+                  "scripts start SmolLM2 from SFT adapters ([smollm2.md](smollm2.md)).", ""]
     tm = latest(records, "timing", lambda r: (r["script"], r["four_bit"]))
     if tm:
         any_r = next(iter(tm.values()))
@@ -464,7 +320,7 @@ def render_report(records) -> str:
                   "kernel and the model work that feeds it: GraphGPO's graph, iStar's PRM scoring and DPO step, "
                   "ARIA's embeddings and clustering, EPO's PRM; ΔBelief reads its beliefs during the rollout, "
                   "so they count there); tokens/s: generated tokens per rollout second; peak memory: the "
-                  "process's maximum resident set; turns/forward: the run's `--micro-batch-size` (its PRESETS value; – where the "
+                  "process's maximum resident set; turns/forward: the run's `--micro-batch-size` (its DEFAULTS value; – where the "
                   "row predates the record); zero-shot: the script's first evaluation of its main metric.", "",
                   "| script | env | weights | rollout s | credit s | update s | iteration s | tokens/s | "
                   "peak memory GB | turns/forward | eval s | zero-shot ± SE | load avg |",
@@ -476,34 +332,6 @@ def render_report(records) -> str:
                          f"{r['perf'].get('perf/tokens_per_second', float('nan')):.1f} | {r['peak_rss_gb']:.2f} | "
                          f"{r.get('micro_batch_size') or '–'} | {(r.get('eval_seconds') or 0):.0f} | "
                          f"{r['zeroshot_metric']} {r['zeroshot']:.3f} ± {r['zeroshot_se']:.3f} | {r['load_avg']:.1f} |")
-        lines.append("")
-    sr = latest(records, "sft_rl", lambda r: r["script"])
-    lines += ["## GraphGPO on Sokoban after SFT", ""]
-    if not sr:
-        lines += ["Not run yet: `python benchmarks/real_model.py sft-rl` (see its `--help`; about 30 minutes of "
-                  "RL on 2 CPU cores with the defaults).", ""]
-    for r in sr.values():
-        s = r["learning"]
-        last = (f"{r['sft_loss_last10']:.3f} (mean of the last 10 steps)" if r.get("sft_loss_last10") is not None
-                else f"{r.get('sft_loss_last', float('nan')):.3f} (last step)")
-        reused = ""
-        if r.get("sft_reused"):
-            source = f"; {r['facts_source']}" if r.get("facts_source") else ""
-            reused = f" (an earlier run's checkpoint, `--sft-checkpoint`{source})"
-        lines += [f"SFT{reused}: {r['sft_steps']} steps x {r['sft_batch']} of {r['sft_examples']} demonstration turns "
-                  f"({r['demo_episodes']} episodes), {r['sft_seconds']:.0f} s, loss {r['sft_loss_first']:.3f} -> "
-                  f"{last}; env options {r['env_kwargs']}. RL: `graphgpo.py {' '.join(r['rl_args'])}`, "
-                  f"{r['rl_train_seconds']:.0f} s of training, peak memory {r['rl_peak_rss_gb']:.2f} GB.", "",
-                  "| metric | after SFT (before RL) | after RL | change |", "|---|---|---|---|",
-                  f"| {s['metric']} | {s['before']:.3f} ± {s['before_se']:.3f} | {s['after']:.3f} ± {s['after_se']:.3f} | "
-                  f"{s['change']:+.3f} ± {s['change_se']:.3f} |", ""]
-        if "rl_episodes" in r:
-            lines.append(f"During RL: sampled success {r['rl_sampled_success']:.3f} over {r['rl_episodes']} "
-                         f"training episodes; credit not all zero in {r['rl_nonzero_adv_iterations']} of "
-                         f"{r['rl_iterations']} iterations.")
-        for k in ("eval/success_greedy", "eval/invalid_rate"):
-            if k in r["first_eval"]:
-                lines.append(f"{k}: {r['first_eval'][k]:.3f} -> {r['last_eval'][k]:.3f}")
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"
 
@@ -517,11 +345,11 @@ def report(args):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("stage", choices=["zeroshot", "timing", "sft-rl", "report"])
+    p.add_argument("stage", choices=["zeroshot", "timing", "report"])
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     p.add_argument("--results", default=str(RESULTS), help="raw results, JSON lines (appended)")
     p.add_argument("--report-path", default=str(REPORT))
-    p.add_argument("--work-dir", default="runs/real_model", help="run directories and the SFT checkpoint")
+    p.add_argument("--work-dir", default="runs/real_model", help="run directories")
     p.add_argument("--no-report", action="store_true", help="do not rewrite the report after the stage")
     z = p.add_argument_group("zeroshot")
     z.add_argument("--envs", nargs="*", default=None, help="env ids (default: every env)")
@@ -536,30 +364,9 @@ def main(argv=None):
     t.add_argument("--scripts", nargs="*", default=list(SCRIPTS), choices=SCRIPTS)
     t.add_argument("--precisions", nargs="*", type=lambda s: s == "4bit", default=[False, True],
                    help="plain and/or 4bit (default both)")
-    s = p.add_argument_group("sft-rl")
-    s.add_argument("--seed", type=int, default=1)
-    s.add_argument("--sft-checkpoint", default=None,
-                   help="skip SFT: run RL from this earlier SFT checkpoint (<work-dir>/smollm2_sft_sokoban)")
-    s.add_argument("--sft-episodes", type=int, default=0, help="demonstration episodes (0: the recipe's 1500)")
-    s.add_argument("--sft-steps", type=int, default=200,
-                   help="SFT steps (40 taught the action format but not the game: 0 of 40 levels)")
-    s.add_argument("--sft-batch", type=int, default=8)
-    s.add_argument("--sft-lr", type=float, default=3e-4)
-    s.add_argument("--lora-r", type=int, default=16)
-    s.add_argument("--rl-iterations", type=int, default=8,
-                   help="about 30 minutes of RL on 2 idle CPU cores with the other defaults")
-    s.add_argument("--rl-tasks", type=int, default=2, help="tasks per iteration")
-    s.add_argument("--rl-group", type=int, default=4, help="trajectories per task")
-    s.add_argument("--rl-max-turns", type=int, default=8)
-    s.add_argument("--rl-max-new-tokens", type=int, default=10, help="`<action>right</action>` + EOS is 8 tokens")
-    s.add_argument("--rl-lr", type=float, default=5e-5)
-    s.add_argument("--rl-micro-batch", type=int, default=8,
-                   help="turns per forward pass (64 needed over 16 GB on a CPU); passed explicitly because "
-                        "the checkpoint's tiny_meta.json makes graphgpo.py take the tiny preset (64)")
-    s.add_argument("--eval-num-tasks", type=int, default=40, help="test tasks of the before/after evaluation")
     args = p.parse_args(argv)
     Path(args.work_dir).mkdir(parents=True, exist_ok=True)
-    {"zeroshot": zeroshot, "timing": timing, "sft-rl": sft_rl, "report": lambda a: None}[args.stage](args)
+    {"zeroshot": zeroshot, "timing": timing, "report": lambda a: None}[args.stage](args)
     if args.stage == "report" or not args.no_report:
         report(args)
 
