@@ -3,14 +3,13 @@
 Paper: "ARIA: Training Language Agents with Intention-Driven Reward Aggregation", Yang et al.,
 2025; https://arxiv.org/abs/2506.00539 ; official code: https://github.com/rhyang2021/ARIA
 
-Method (docs/aria.md, "Overview"). Utterances (actions and free-text observations) are embedded and
-clustered by one HAC cut into k clusters, the "intention space"; a step's key is the label sequence
-of its history and action. Each step's return γ^(T-t)·R is replaced by the mean return of all steps
+Method (docs/aria.md). Utterances (actions and free-text observations) are embedded and clustered
+by one HAC cut into k clusters, the "intention space"; a step's key is the label sequence of its
+history and action. Each step's return γ^(T-t)·R is replaced by the mean return of all steps
 sharing its key, with k chosen by SplitScore and a stopping rule. That aggregated reward is the
 REINFORCE weight, loss = -mean over steps of (Σ_tokens log π(a_t|h_t))·Ã_t, a few epochs per batch
-of games (3 iterations in the paper). Two-player games are played in self-play (both roles train);
-single-agent games against the env's oracle. `--no-aggregate` is the paper's ablation: REINFORCE on
-the raw discounted returns.
+of games. Two-player games are played in self-play (both roles train), single-agent games against
+the env's oracle. `--no-aggregate` is the paper's ablation: REINFORCE on the raw returns.
 
 Equations -> functions (section 2; the kernel `aria_advantages` takes plain per-turn arrays)
 - §3.3  R(h_t, a_t) = γ^(T-t) R                                 -> `discounted_returns`
@@ -25,10 +24,14 @@ Equations -> functions (section 2; the kernel `aria_advantages` takes plain per-
 - §3.5  J(θ) = E[Σ_t log π_θ(a_t|h_t) Ã(h_t, a_t)]                 -> `reinforce_loss`, `update`
 The utterance embeddings (the model-derived signal) come from `embed_utterances` (section 4).
 
-`python aria.py` trains the tiny Bargaining policy in self-play on a CPU (8 iterations of 64 games),
-scored against scripted styles; the paper: an 8B model, 3 iterations of 1,000 games, GPT-4 oracles
-and LLM opponents (docs/aria.md, "Deviations"). Read in order: section 2 (the credit), `rollout`,
-`compute_advantages`, `embed_utterances`, `update`, `evaluate`, `main`.
+`python aria.py` trains a LoRA adapter of the tiny Bargaining policy in self-play on a CPU and
+scores it against scripted styles. How that differs from the paper (docs/aria.md, "Deviations"):
+- policy: a tiny policy at lr 2.5e-4 (paper: an 8B model, LoRA r8/α16 at 2e-5)
+- games: 8 iterations of 64 (paper: 3 iterations of 1,000)
+- horizons: Bargaining 4-10 rounds per task, Negotiation 6-10 (the paper's prompts: 20)
+- encoder: hashed words and character 3-grams (paper: text-embedding-3-small)
+- two-player R: the normalised payoff (paper: the win; `--game-reward win`)
+- evaluation opponents: scripted styles (paper: GPT-4 oracles and LLM opponents)
 
 Example
     python aria.py                                         # tiny Bargaining in self-play, CPU
@@ -416,10 +419,9 @@ def compute_advantages(episodes, args, signal=None):
         for t, step in enumerate(ep.steps):
             turns.append((ep, t, step["player"]))
             history.append(list(range(first, first + step["pos"] + 1)))  # up to its action
-    players = [player for _, _, player in turns]
     info = {}
     weights = aria_advantages(
-        traj=[ep.traj_id for ep, _, _ in turns], player=players,
+        traj=[ep.traj_id for ep, _, _ in turns], player=[player for _, _, player in turns],
         outcome=[ep.outcome.get(player, 0.0) for ep, _, player in turns], history=history,
         utterances=texts, exact=exact, embeddings=signal, gamma=args.gamma, max_k=args.max_k,
         linkage=args.linkage, split_eps=args.split_eps, split_tau=args.split_tau,
@@ -427,21 +429,15 @@ def compute_advantages(episodes, args, signal=None):
     samples = [Sample(ep.steps[t]["prompt"], ep.steps[t]["completion"], 0, ep.traj_id, t, float(w))
                for (ep, t, _), w in zip(turns, weights)]  # group 0: the batch is aggregated as one
     raw, agg, k = info["returns"], info["values"], info["k"]
-
-    def mean(x, f=np.mean):
-        return float(f(x)) if len(x) else 0.0
-
+    mean = lambda x, f=np.mean: float(f(x)) if len(x) else 0.0  # noqa: E731
+    # the paper's Fig. 4: the variance of the step rewards before and after the aggregation
     return samples, {
         "credit/selected_k": k, "credit/max_k": info["max_k"], "credit/num_steps": len(turns),
-        "credit/num_utterances": len(texts), "credit/num_distinct_utterances": info["num_distinct"],
+        "credit/num_distinct_utterances": info["num_distinct"],
         "credit/num_intentions": info["num_keys"][k],
-        "credit/num_histories_exact": len({(p,) + tuple(texts[u] for u in h)
-                                           for p, h in zip(players, history)}),
         "credit/reward_var_raw": mean(raw, np.var),
         "credit/reward_var_aggregated": mean(agg, np.var),
         "credit/reward_mean_raw": mean(raw), "credit/reward_mean_aggregated": mean(agg),
-        "credit/nonzero_raw_frac": mean(raw > 0), "credit/nonzero_aggregated_frac": mean(agg > 0),
-        "credit/split_score_at_k": float(info["scores"].get(k, 0.0)),
         "credit/split_scores": [round(info["scores"][j], 6) for j in sorted(info["scores"])],
         "credit/weight_mean": mean(weights), "credit/weight_nonzero_frac": mean(weights != 0)}
 
@@ -459,15 +455,14 @@ def _hash_feature(feature: str, dim: int) -> tuple[int, float]:
 
 
 def hash_embed(texts, dim=256):
-    """Deterministic text vectors without a model: signed feature hashing of the words (first half
-    of the vector) and of the character 3-grams of the padded lower-cased text (second half); each
-    half is L2-normalised, then the whole row (rows of empty texts stay zero)."""
+    """Text vectors without a model: signed hashing of the words (first half) and the character
+    3-grams (second half) of the lower-cased text, each half L2-normalised, then the row."""
     half = max(1, dim // 2)
     out = np.zeros((len(texts), 2 * half), dtype=np.float64)
     for i, text in enumerate(texts):
         s = " ".join(str(text).lower().split())
         if not s:
-            continue
+            continue  # an empty text: a zero row
         for w in _WORD.findall(s):
             j, sign = _hash_feature("w:" + w, half)
             out[i, j] += sign
@@ -556,9 +551,8 @@ class Embedder:
 
 
 def embed_utterances(embedder, episodes, observation_labels):
-    """The signal of `compute_advantages`: one row per utterance of the episodes, in order. Each
-    distinct clustered text is embedded once (in order of first appearance); the rows of exactly
-    labelled observations (observation_labels "exact") stay zero and are not read."""
+    """The signal of `compute_advantages`: one row per utterance, each distinct clustered text
+    embedded once; exactly labelled observations ("exact") keep zero rows, never read."""
     texts = [u for ep in episodes for u in ep.utterances]
     kinds = [kind for ep in episodes for kind in ep.kinds]
     clustered = [i for i, kind in enumerate(kinds)
@@ -582,7 +576,7 @@ def update(model, tok, optimizer, samples, args, rng):
     """`num_epochs` passes of offline REINFORCE over the turns, shuffled, `batch_size` turns per
     optimizer step. A zero-weight turn adds nothing to the loss, so its forward is skipped."""
     params = [p for p in model.parameters() if p.requires_grad]
-    stats = {"loss": [], "loss_first_epoch": [], "grad_norm": [], "logp": []}
+    losses, grad_norms = [], []
     model.train()
     for epoch in range(args.num_epochs):
         order = rng.permutation(len(samples))
@@ -607,28 +601,22 @@ def update(model, tok, optimizer, samples, args, rng):
                 loss = reinforce_loss(seq_logp, weights, len(batch))
                 loss.backward()
                 batch_loss += float(loss.detach())
-                stats["logp"] += seq_logp.detach().cpu().tolist()
-            stats["grad_norm"].append(float(torch.nn.utils.clip_grad_norm_(params,
-                                                                           args.max_grad_norm)))
+            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)))
             optimizer.step()
             if epoch == args.num_epochs - 1:
-                stats["loss"].append(batch_loss)
-            if epoch == 0:
-                stats["loss_first_epoch"].append(batch_loss)
+                losses.append(batch_loss)
     model.eval()
-    mean = {k: float(np.mean(v)) if v else 0.0 for k, v in stats.items()}
-    return {"policy_loss": mean["loss"], "policy_loss_first_epoch": mean["loss_first_epoch"],
-            "grad_norm": mean["grad_norm"], "weighted_seq_logp": mean["logp"],
-            "optimizer_steps": len(stats["grad_norm"])}
+    return {"policy_loss": float(np.mean(losses)) if losses else 0.0,
+            "grad_norm": float(np.mean(grad_norms)) if grad_norms else 0.0,
+            "optimizer_steps": len(grad_norms)}
 
 
 # ----------------------------------------------------------------------------------------------
 # 5. Evaluation
 # ----------------------------------------------------------------------------------------------
 def eval_games(model, tok, new_env, probe, tasks, args, two_player):
-    """The evaluation's games per seating (single agent: one; two-player: each role against each
-    scripted style): `eval_k` sampled games per task, with common random numbers keyed by (seed,
-    seating, game), the same in every evaluation, and one greedy game. [(name, sampled, greedy)]."""
+    """Per seating (single agent: one; two-player: each role vs each scripted style) `eval_k`
+    sampled games per task on common random numbers and one greedy: [(name, sampled, greedy)]."""
     tasks_k = [t for t in tasks for _ in range(args.eval_k)]
     seatings = [("sampled", None)]
     if two_player:
@@ -636,14 +624,18 @@ def eval_games(model, tok, new_env, probe, tasks, args, two_player):
         seatings = [(f"{role}_vs_{s}", {p: "policy" if p == role else s for p in probe.players})
                     for role in probe.players for s in styles]
     games = []
+    bar = tqdm(total=len(seatings) * (len(tasks_k) + len(tasks)), desc="evaluation games",
+               leave=False, dynamic_ncols=True)
     for c, (name, seats) in enumerate(seatings):
         def make(seats=seats):
             return new_env(seats)
 
-        keys = [(args.seed, c, i) for i in range(len(tasks_k))]
-        games.append((name, rollout(model, tok, make, tasks_k, args, args.eval_temperature,
-                                    noise_keys=keys),
-                      rollout(model, tok, make, tasks, args, 1.0, greedy=True)))
+        keys = [(args.seed, c, i) for i in range(len(tasks_k))]  # the same in every evaluation
+        sampled = rollout(model, tok, make, tasks_k, args, args.eval_temperature, noise_keys=keys)
+        bar.update(len(tasks_k))
+        games.append((name, sampled, rollout(model, tok, make, tasks, args, 1.0, greedy=True)))
+        bar.update(len(tasks))
+    bar.close()
     return games
 
 
@@ -672,6 +664,39 @@ def evaluate(model, tok, new_env, probe, tasks, args, two_player):
         out["eval/success_episodes"] = [float(ep.success) for ep in sampled]
     n = max(1, args.num_logged_episodes // len(games))
     return out, [episode_record(ep, f"eval/{name}") for name, eps, _ in games for ep in eps[:n]]
+
+
+def iteration_row(episodes, samples, ustats, cstats, seconds):
+    """One iteration's metrics: the training games, losses, credit statistics, seconds per phase."""
+    invalid = [s["invalid"] for ep in episodes for s in ep.steps]
+    tokens = sum(len(x.completion) for x in samples)
+    row = {"charts/success": float(np.mean([ep.success for ep in episodes])),
+           "charts/return": float(np.mean([ep.env_return for ep in episodes])),
+           "charts/outcome": float(np.mean([r for ep in episodes for r in ep.outcome.values()])),
+           "charts/episode_length": float(np.mean([len(ep.steps) for ep in episodes])),
+           "charts/invalid_rate": float(np.mean(invalid)) if invalid else 0.0,
+           **{f"losses/{k}": v for k, v in ustats.items()}, **cstats,
+           **{f"perf/{k}_seconds": v for k, v in seconds.items()},
+           "perf/tokens_per_second": tokens / max(seconds["rollout"], 1e-9),
+           "perf/samples": len(samples)}
+    if torch.cuda.is_available():
+        row["perf/peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    return row
+
+
+def episode_record(ep, tag, weights=None):
+    """A game as a samples.jsonl record; `weights`: {(traj, turn): the turn's training weight}."""
+    turns = []
+    for t, step in enumerate(ep.steps):
+        turn = {"player": step["player"], "action": ep.utterances[step["pos"]],
+                "invalid": step["invalid"]}
+        if ep.kinds[step["pos"] + 1:step["pos"] + 2] == ["observation"]:
+            turn["observation"] = ep.utterances[step["pos"] + 1]
+        if weights is not None:
+            turn["weight"] = round(weights[ep.traj_id, t], 4)
+        turns.append(turn)
+    return {"tag": tag, "task": ep.task_id, "outcome": ep.outcome, "success": ep.success,
+            "turns": turns}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -735,39 +760,6 @@ def check_args(args):
         raise UserError("--max-k must be >= 2, --split-tau >= 0 and --split-eps > 0")
     if min(args.batch_size, args.micro_batch_size) < 1:
         raise UserError("--batch-size and --micro-batch-size must be >= 1")
-
-
-def iteration_row(episodes, samples, ustats, cstats, seconds):
-    """One iteration's metrics: the training games, losses, credit statistics, seconds per phase."""
-    invalid = [s["invalid"] for ep in episodes for s in ep.steps]
-    tokens = sum(len(x.completion) for x in samples)
-    row = {"charts/success": float(np.mean([ep.success for ep in episodes])),
-           "charts/return": float(np.mean([ep.env_return for ep in episodes])),
-           "charts/outcome": float(np.mean([r for ep in episodes for r in ep.outcome.values()])),
-           "charts/episode_length": float(np.mean([len(ep.steps) for ep in episodes])),
-           "charts/invalid_rate": float(np.mean(invalid)) if invalid else 0.0,
-           **{f"losses/{k}": v for k, v in ustats.items()}, **cstats,
-           **{f"perf/{k}_seconds": v for k, v in seconds.items()},
-           "perf/tokens_per_second": tokens / max(seconds["rollout"], 1e-9),
-           "perf/samples": len(samples)}
-    if torch.cuda.is_available():
-        row["perf/peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
-    return row
-
-
-def episode_record(ep, tag, weights=None):
-    """A game as a samples.jsonl record; `weights`: {(traj, turn): the turn's training weight}."""
-    turns = []
-    for t, step in enumerate(ep.steps):
-        turn = {"player": step["player"], "action": ep.utterances[step["pos"]],
-                "invalid": step["invalid"]}
-        if ep.kinds[step["pos"] + 1:step["pos"] + 2] == ["observation"]:
-            turn["observation"] = ep.utterances[step["pos"] + 1]
-        if weights is not None:
-            turn["weight"] = round(weights[ep.traj_id, t], 4)
-        turns.append(turn)
-    return {"tag": tag, "task": ep.task_id, "outcome": ep.outcome, "success": ep.success,
-            "turns": turns}
 
 
 def main(args: Args):
