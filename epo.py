@@ -3,42 +3,39 @@
 Paper: "EPO: Explicit Policy Optimization for Strategic Reasoning in LLMs via Reinforcement
 Learning", Xiaoqian Liu, Ke Wang, Yongbin Li, Yuchuan Wu, Wentao Ma, Aobo Kong, Fei Huang, Jianbin
 Jiao, Junge Zhang, ACL 2025; https://arxiv.org/abs/2502.12486 ; official code:
-https://github.com/lxqpku/EPO (the method section is reconstructed from the official code: see
-docs/epo.md, "Reconstruction").
+https://github.com/lxqpku/EPO (the method is reconstructed from it: docs/epo.md).
 
-Method (docs/epo.md, "Overview"). Only a strategist (one LoRA adapter) is trained: each turn it
-writes a short strategy that a frozen agent reads before writing the actual message or action. Each
-iteration: collect episodes (self-chat in Negotiation), ask a process reward model (PRM) which
-strategy turns were critical (reward 1; the last turn the outcome in [0, 1]), normalise the
-discounted returns per trajectory by their max |G|, and train on the weighted log-likelihood of the
-strategies for a few epochs: REINFORCE without baseline, KL or clipping. Repeat with the new
-strategist (iterative self-play).
+Method. Only a strategist (one LoRA adapter) is trained: each turn it writes a short strategy that
+a frozen agent reads before writing the actual message or action. Each iteration: collect episodes,
+ask a process reward model (PRM) which strategy turns were critical (reward 1; the last turn the
+outcome in [0, 1]), normalise the discounted returns per trajectory by their max |G|, and train on
+the weighted log-likelihood of the strategies for a few epochs: REINFORCE without baseline, KL or
+clipping. Repeat with the new strategist (iterative self-play).
 
-Equations -> functions (section 2; the kernel `epo_advantages` takes plain per-turn arrays; the
-paper's copy lacks the method section, so the equations are the official code's, unnumbered)
+Equations -> functions (section 2; the official code's, unnumbered)
 - r_t = 1[t critical]; r_T = S / S_max unless T is critical; G_t = Σ_k γ^(k-t) r_k
                                                                        -> `epo_turn_returns`
-- A_t = G_t / max_t |G_t|  (one trajectory)                            -> `epo_turn_weights`
-- option, not EPO's: A_t = G_t / max over the batch |G| (--return-norm batch)
+- A_t = G_t / max_t |G_t| per trajectory (or over the batch: --return-norm batch)
                                                                        -> `batch_turn_weights`
 - PRM stand-in: the top-k turns by the env's progress gain             -> `rule_critical_turns`
-- A_t of every turn of a batch (1 with --weights ones, EPO-SFT)         -> `epo_advantages`
+- A_t of every turn of a batch (1 with --weights ones: uniform)        -> `epo_advantages`
 - L(θ) = -(1/T) Σ_t A_t (1/k_t) Σ_i log π_θ(a_{t,i} | context_t, a_{t,<i})   -> `epo_loss`
-- PRM (LLM judge, the paper's appendix prompt; answer {"indexes": [...]}), section 4
+- PRM (LLM judge, a paraphrase of the paper's prompt; answer {"indexes": [...]}), section 4
                                                   -> `prm_prompt`, `parse_prm_answer`, `llm_prm`
-- ablations: --prm none (outcome only), --weights ones (EPO-SFT: every own strategy weighted 1)
+- ablations: --prm none (outcome only), --weights ones (uniform turn weights: outcome-free)
 
-`python epo.py` is not the paper's setup (docs/epo.md, "Deviations"): a tiny Negotiation strategist
-against scripted styles, with a rule agent, a rule PRM, batch-scaled returns and an outcome gate.
-Reading order: Args, section 2 (the credit), `rollout`, `llm_prm` and `update`, then `main`.
+`python epo.py` runs the tiny Negotiation strategist on a CPU, 40 iterations of 64 games. How it
+differs from the paper's setup (docs/epo.md, "Deviations"), one line each:
+- a rule agent and a rule PRM, not GPT-4o and an LLM judge (--agent base --prm llm: the base model);
+- trained against scripted styles, not self-chat (--train-opponent self restores it);
+- returns scaled by the batch's max |G| and no critical turn below a goal score of 5;
 
 Example
     python epo.py                       # tiny Negotiation, rule agent, rule PRM, CPU
     python epo.py --prm none            # outcome only
-    python epo.py --weights ones        # EPO-SFT ablation
+    python epo.py --weights ones        # uniform turn weights (every turn 1)
     python epo.py --model-name smollm2-135m   # SmolLM2 + its strategist adapter (DEFAULTS)
-    python epo.py --model-name Qwen/Qwen2.5-1.5B-Instruct --agent base --prm llm \\
-        --learning-rate 2e-5
+    python epo.py --model-name Qwen/Qwen2.5-1.5B-Instruct --agent base --prm llm
 """
 
 from __future__ import annotations
@@ -89,11 +86,11 @@ class Args:
     static_cache: bool = False
     """static KV cache in generate (batches padded to a power of two); transformers compiles it
     on CUDA, but not for 4-bit weights (docs/gpu.md)"""
-    max_new_tokens: Optional[int] = None  # most tokens per strategy; None: the policy's, or DEFAULTS
+    max_new_tokens: Optional[int] = None  # most tokens per strategy; None: policy's or DEFAULTS
     temperature: float = 0.7  # strategist's sampling temperature in training (official: 0.7)
-    score_temperature: Optional[float] = None
-    """temperature of the log-probs the loss trains (official: 1, `logits.log_softmax(-1)`);
-    None: DEFAULTS (the tiny strategist's measured runs: 0.7, docs/epo.md)"""
+    score_temperature: float = 1.0
+    """temperature of the log-probs the loss trains (official: 1, `logits.log_softmax(-1)`; the
+    tiny strategist's committed runs: 0.7, docs/epo.md)"""
     eval_temperature: float = 0.7  # sampled evaluation's temperature (greedy is evaluated too)
 
     # environment
@@ -114,7 +111,7 @@ class Args:
     episodes_per_iteration: Optional[int] = None  # games (self-chat: 2 trajectories); DEFAULTS
     num_epochs: int = 3  # training epochs over each iteration's trajectories (official: 3)
     trajectories_per_step: int = 8  # trajectories per optimizer step (official: 1 x accumulation 8)
-    micro_batch_size: Optional[int] = None  # turns (and LLM PRM prompts) per forward; None: DEFAULTS
+    micro_batch_size: Optional[int] = None  # turns (and PRM prompts) per forward; None: DEFAULTS
     learning_rate: Optional[float] = None  # AdamW lr; None: DEFAULTS (official, full FT: 1e-6)
     warmup_ratio: float = 0.03  # warm-up share of an iteration's steps, then cosine to 0 (official)
     weight_decay: float = 0.0  # AdamW weight decay (official: 0)
@@ -127,12 +124,12 @@ class Args:
     """rule PRM: no critical turn in a game ending below this progress; None: DEFAULTS"""
     prm_temperature: float = 0.7  # LLM PRM sampling temperature (official: 0.7)
     prm_max_new_tokens: Optional[int] = None  # LLM PRM answer length; None: DEFAULTS
-    weights: Literal["epo", "ones"] = "epo"  # PRM + outcome returns, or all 1 (EPO-SFT ablation)
+    weights: Literal["epo", "ones"] = "epo"  # PRM + outcome returns, or 1 on every turn (uniform)
     return_norm: Optional[Literal["trajectory", "batch"]] = None  # G/max|G| (official: trajectory)
 
 
-# Every option left at None, by model (`with_defaults`, then `make_env`): "tiny", the tiny strategist
-# as measured (docs/epo.md), its game aids (TINY_GAME_AIDS) only in a two-player game;
+# Every option left at None, by model (`with_defaults`, then `make_env`): "tiny", the tiny
+# strategist as measured (docs/epo.md), its game aids (TINY_GAME_AIDS) only in a two-player game;
 # "smollm2-135m", SmolLM2 with its strategist adapter, under an hour on 2 CPU cores
 # (docs/smollm2.md); "*", any other model, the paper's self-chat with a LoRA learning rate. A tiny
 # or shipped strategist brings its own strategy budget (common/models.py).
@@ -140,18 +137,15 @@ DEFAULTS = {
     "tiny": dict(env_id="negotiation", num_iterations=40, episodes_per_iteration=64,
                  eval_num_tasks=0, eval_every=10, checkpoint_every=5, learning_rate=5e-4,
                  agent_max_new_tokens=16, prm_max_new_tokens=32, micro_batch_size=32,
-                 train_opponent="rule:any", return_norm="batch", prm_min_final=0.5,
-                 score_temperature=0.7),
+                 train_opponent="rule:any", return_norm="batch", prm_min_final=0.5),
     "smollm2-135m": dict(env_id="negotiation", num_iterations=6, episodes_per_iteration=8,
                          eval_num_tasks=4, eval_every=3, checkpoint_every=1, learning_rate=1e-4,
                          agent_max_new_tokens=128, prm_max_new_tokens=256, micro_batch_size=8,
-                         train_opponent="self", return_norm="trajectory", prm_min_final=0.0,
-                         score_temperature=1.0),
+                         train_opponent="self", return_norm="trajectory", prm_min_final=0.0),
     "*": dict(env_id="negotiation", num_iterations=40, episodes_per_iteration=64, eval_num_tasks=0,
               eval_every=10, checkpoint_every=5, learning_rate=2e-5, max_new_tokens=48,
               agent_max_new_tokens=128, prm_max_new_tokens=256, micro_batch_size=8,
-              train_opponent="self", return_norm="trajectory", prm_min_final=0.0,
-              score_temperature=1.0),
+              train_opponent="self", return_norm="trajectory", prm_min_final=0.0),
 }
 TINY_GAME_AIDS = ("train_opponent", "return_norm", "prm_min_final")  # single agent: the "*" values
 
@@ -183,17 +177,9 @@ def epo_turn_returns(critical, outcome, gamma=0.99):
     return G
 
 
-def epo_turn_weights(critical, outcome, gamma=0.99):
-    """Per-turn weights of one trajectory: A_t = G_t / max_t |G_t| (`epo_turn_returns`; all zeros
-    when that max is 0). Returns a float64 array of length T."""
-    G = epo_turn_returns(critical, outcome, gamma)
-    m = float(np.abs(G).max()) if len(G) else 0.0
-    return G / m if m > 0 else np.zeros(len(G))
-
-
 def batch_turn_weights(returns):
     """A_t = G_t / max |G| over every turn of the given trajectories (`--return-norm batch`: the
-    batch; a list of one trajectory gives `epo_turn_weights`). One scale for all, so a trajectory
+    batch; a list of one trajectory: EPO's G_t / max_t |G_t|). One scale for all, so a trajectory
     with a better outcome keeps a larger weight than a worse one. `returns`: per-trajectory arrays
     G; returns a list of arrays (zeros if all G are 0)."""
     m = max((float(np.abs(g).max()) for g in returns if len(g)), default=0.0)
@@ -228,7 +214,7 @@ def epo_advantages(traj, turn, outcome, critical, gamma=0.99, return_norm="traje
     traj[i], turn[i]: the turn's trajectory and its position in it. outcome[i]: the outcome of the
     turn's trajectory (goal score scaled to [0, 1]). critical[i]: the PRM marked the turn critical.
     return_norm: "trajectory" (EPO: each trajectory divided by its own max |G|) or "batch" (one max
-    over the batch); weights: "epo" (the returns) or "ones" (EPO-SFT: every turn 1). Returns
+    over the batch); weights: "epo" (the returns) or "ones" (uniform: every turn 1). Returns
     float64 [N], the REINFORCE weight of each turn (`epo_loss`).
 
     Three trajectories, γ = 0.5. τ0: turns 0 and 2 critical, outcome 0.6; the last turn is
@@ -260,7 +246,7 @@ def epo_advantages(traj, turn, outcome, critical, gamma=0.99, return_norm="traje
     adv = np.zeros(len(turn))
     for r, a in zip(rows, scaled):
         adv[r] = a
-    return np.ones(len(turn)) if weights == "ones" else adv  # ones: EPO-SFT
+    return np.ones(len(turn)) if weights == "ones" else adv  # ones: uniform, no signal
 
 
 # ----------------------------------------------------------------------------------------------
@@ -376,10 +362,11 @@ def training_games(new_env, tasks, players, styles, args, rng):
 
 
 def rollout(model, tok, games, args, temperature, greedy=False, first_traj_id=0, real=False,
-            noise_keys=None):
+            noise_keys=None, desc=None):
     """Play the games (`envs.Seated`, reset) to the end: each round a batched strategist
     `generate`, then the agents' moves (rule, or a batched `generate`, adapter off); with
-    `noise_keys` seat p's t-th strategy (agent move) uses `CommonNoise` of (*key, p, t, 0) (1)."""
+    `noise_keys` seat p's t-th strategy (agent move) uses `CommonNoise` of (*key, p, t, 0) (1);
+    `desc`: a progress bar over the strategy turns."""
     episodes = {}
     for g, game in enumerate(games):
         for p in [p for p in game.players if game.seats[p] == "policy"]:
@@ -389,7 +376,9 @@ def rollout(model, tok, games, args, temperature, greedy=False, first_traj_id=0,
                                        opponent, context=context(game, p))
     model.eval()
     stops = stop_ids(model, tok)
+    bar = tqdm(desc=desc, unit="turn", leave=False, disable=desc is None)
     while live := [g for g, game in enumerate(games) if not game.done]:
+        bar.update(len(live))
         who = [games[g].current_player for g in live]
         msgs = [strategist_messages(games[g], p, episodes[(g, p)].strategies, real)
                 for g, p in zip(live, who)]
@@ -424,6 +413,7 @@ def rollout(model, tok, games, args, temperature, greedy=False, first_traj_id=0,
             ep.invalid.append(bool(step.info.get("invalid", False)))
             ep.env_return += float(step.reward)
             ep.won = bool(step.info.get("success", False))
+    bar.close()
     for (g, p), ep in episodes.items():
         game, env = games[g], games[g].env
         ep.progress.append(game.progress(p))
@@ -672,8 +662,9 @@ def evaluate(model, tok, new_env, tasks, players, styles, args, real):
         return [new_env(task, {p: "policy" if p == role else style for p in players})
                 for task, role, style in specs]
     sampled = rollout(model, tok, games(), args, args.eval_temperature, real=real,
-                      noise_keys=[(args.seed, 0, i) for i in range(len(specs))])
-    greedy = rollout(model, tok, games(), args, 0.0, greedy=True, real=real)
+                      noise_keys=[(args.seed, 0, i) for i in range(len(specs))],
+                      desc="eval (sampled)")
+    greedy = rollout(model, tok, games(), args, 0.0, greedy=True, real=real, desc="eval (greedy)")
     scores, won = [float(ep.score) for ep in sampled], [ep.won for ep in sampled]
     row = {"eval/goal_score": mean_se(scores)[0], "eval/goal_score_se": mean_se(scores)[1],
            "eval/goal_score_episodes": scores, "eval/success": mean_se(won)[0],
@@ -684,7 +675,8 @@ def evaluate(model, tok, new_env, tasks, players, styles, args, real):
     if styles and args.eval_selfplay:  # both roles the strategist; keys (seed, 1, game)
         selfplay = rollout(model, tok, [new_env(task, {p: "policy" for p in players})
                                         for task in tasks], args, args.eval_temperature, real=real,
-                           noise_keys=[(args.seed, 1, i) for i in range(len(tasks))])
+                           noise_keys=[(args.seed, 1, i) for i in range(len(tasks))],
+                           desc="eval (self-chat)")
         row["eval/selfplay_goal_score"] = float(np.mean([ep.score for ep in selfplay]))
         row["eval/selfplay_deal_rate"] = float(np.mean([ep.deal for ep in selfplay]))
     return row, sampled[: args.num_logged_episodes]

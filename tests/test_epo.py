@@ -18,17 +18,21 @@ import epo
 
 
 # ---------------------------------------------------------------------------------------------
-# epo_turn_weights
+# one trajectory's weights A_t = G_t / max_t |G_t| (what epo_advantages gives each trajectory)
 # ---------------------------------------------------------------------------------------------
+def turn_weights(critical, outcome, gamma=0.99):
+    return epo.batch_turn_weights([epo.epo_turn_returns(critical, outcome, gamma)])[0]
+
+
 def test_weights_no_critical_turn_and_zero_outcome_are_all_zero():
-    np.testing.assert_array_equal(epo.epo_turn_weights([False] * 4, 0.0), np.zeros(4))
-    assert epo.epo_turn_weights([], 0.7).shape == (0,)
+    np.testing.assert_array_equal(turn_weights([False] * 4, 0.0), np.zeros(4))
+    assert turn_weights([], 0.7).shape == (0,)
 
 
 def test_weights_outcome_only():
     # T = 3, outcome 0.5: r = [0, 0, 0.5]; G = [0.5 * 0.99^2, 0.5 * 0.99, 0.5] = [0.49005, 0.495, 0.5]
     # max |G| = 0.5 -> A = [0.9801, 0.99, 1.0]
-    np.testing.assert_allclose(epo.epo_turn_weights([0, 0, 0], 0.5), [0.9801, 0.99, 1.0], atol=1e-12)
+    np.testing.assert_allclose(turn_weights([0, 0, 0], 0.5), [0.9801, 0.99, 1.0], atol=1e-12)
 
 
 def test_weights_critical_last_turn_drops_the_outcome():
@@ -37,9 +41,9 @@ def test_weights_critical_last_turn_drops_the_outcome():
     # A = [1, 0.99 / 1.9801, 1 / 1.9801] = [1, 0.499974..., 0.505025...]
     # (with the outcome added, r2 = 1.8 would give G = [2.76418, 1.782, 1.8] instead)
     want = [1.0, 0.99 / 1.9801, 1.0 / 1.9801]
-    np.testing.assert_allclose(epo.epo_turn_weights([True, False, True], 0.8), want, atol=1e-12)
+    np.testing.assert_allclose(turn_weights([True, False, True], 0.8), want, atol=1e-12)
     # only the last turn critical: r = [0, 0, 1] -> [0.9801, 0.99, 1], whatever the outcome
-    np.testing.assert_allclose(epo.epo_turn_weights([False, False, True], 0.0), [0.9801, 0.99, 1.0], atol=1e-12)
+    np.testing.assert_allclose(turn_weights([False, False, True], 0.0), [0.9801, 0.99, 1.0], atol=1e-12)
 
 
 def test_weights_worked_example_critical_turn_two_of_ten():
@@ -48,7 +52,7 @@ def test_weights_worked_example_critical_turn_two_of_ten():
     # G9 = 0.8; G_t = 0.8 * 0.99^(9-t) for t = 2..8; G1 = 1 + 0.99 * G2 = 1 + 0.8 * 0.99^8 = 1.738195755
     # G0 = 0.99 * G1 = 1.720813798; max = G1
     # A0 = 0.99, A1 = 1, A2 = 0.8 * 0.99^7 / G1 = 0.745652278 / 1.738195755 = 0.428981..., A9 = 0.8 / G1 = 0.460247...
-    A = epo.epo_turn_weights([t == 1 for t in range(10)], 0.8)
+    A = turn_weights([t == 1 for t in range(10)], 0.8)
     g1 = 1 + 0.8 * 0.99 ** 8
     assert A[0] == pytest.approx(0.99, abs=1e-12)
     assert A[1] == pytest.approx(1.0, abs=1e-12)
@@ -59,9 +63,9 @@ def test_weights_worked_example_critical_turn_two_of_ten():
 
 def test_weights_zero_outcome_critical_turn_and_gamma_one():
     # outcome 0, turn 3 of 5 critical: r = [0, 0, 1, 0, 0] -> G = [0.9801, 0.99, 1, 0, 0] -> same / 1
-    np.testing.assert_allclose(epo.epo_turn_weights([0, 0, 1, 0, 0], 0.0), [0.9801, 0.99, 1.0, 0.0, 0.0], atol=1e-12)
+    np.testing.assert_allclose(turn_weights([0, 0, 1, 0, 0], 0.0), [0.9801, 0.99, 1.0, 0.0, 0.0], atol=1e-12)
     # γ = 1, critical = [F, T, F, F], outcome 0.5: r = [0, 1, 0, 0.5] -> G = [1.5, 1.5, 0.5, 0.5] -> / 1.5
-    np.testing.assert_allclose(epo.epo_turn_weights([0, 1, 0, 0], 0.5, gamma=1.0), [1, 1, 1 / 3, 1 / 3], atol=1e-12)
+    np.testing.assert_allclose(turn_weights([0, 1, 0, 0], 0.5, gamma=1.0), [1, 1, 1 / 3, 1 / 3], atol=1e-12)
 
 
 def test_batch_turn_weights_keep_the_outcome_size_across_trajectories():
@@ -75,13 +79,13 @@ def test_batch_turn_weights_keep_the_outcome_size_across_trajectories():
     np.testing.assert_allclose(wa, [0.25 / 1.2, 0.5 / 1.2], atol=1e-12)
     np.testing.assert_allclose(wb, [1.0, 0.4 / 1.2, 0.8 / 1.2], atol=1e-12)
     # per trajectory (official) A would weigh (0.5, 1.0): the outcome's size is lost
-    np.testing.assert_allclose(epo.epo_turn_weights([False, False], 0.5, gamma=0.5), [0.5, 1.0], atol=1e-12)
+    np.testing.assert_allclose(turn_weights([False, False], 0.5, gamma=0.5), [0.5, 1.0], atol=1e-12)
     assert [list(w) for w in epo.batch_turn_weights([np.zeros(2), np.zeros(0)])] == [[0.0, 0.0], []]
 
 
 def test_kernel_regroups_turns_into_trajectories():
     # the worked example of epo_advantages, its turns given out of order: each trajectory gets
-    # epo_turn_weights (per trajectory) or batch_turn_weights (one max over the batch); ones: EPO-SFT
+    # its own max |G| (per trajectory) or batch_turn_weights (one max over the batch); ones: uniform
     kw = dict(traj=[1, 0, 0, 2, 1, 0], turn=[1, 0, 2, 0, 0, 1], outcome=[0.4, 0.6, 0.6, 0.0, 0.4, 0.6],
               critical=[0, 1, 1, 0, 0, 0], gamma=0.5)
     np.testing.assert_allclose(epo.epo_advantages(**kw), [1.0, 1.0, 0.8, 0.0, 0.5, 0.4], atol=1e-12)
@@ -393,12 +397,38 @@ def test_defaults_resolve_by_model_and_keep_explicit_flags():
 def test_token_budgets_and_learning_rate_resolve_by_model():
     def budgets(**flags):
         a = epo.make_env(epo.Args(**flags))[0]
-        return (a.learning_rate, a.max_new_tokens, a.agent_max_new_tokens, a.prm_max_new_tokens,
-                a.score_temperature)
+        return a.learning_rate, a.max_new_tokens, a.agent_max_new_tokens, a.prm_max_new_tokens
 
-    assert budgets() == (5e-4, 24, 16, 32, 0.7)  # the tiny strategist's recipe gives the 24
-    assert budgets(model_name=REAL) == (2e-5, 48, 128, 256, 1.0)  # the official loss: T = 1
-    assert budgets(model_name=REAL, learning_rate=1e-3, prm_max_new_tokens=8) == (1e-3, 48, 128, 8, 1.0)
+    assert budgets() == (5e-4, 24, 16, 32)  # the tiny strategist's recipe gives the 24
+    assert budgets(model_name=REAL) == (2e-5, 48, 128, 256)
+    assert budgets(model_name=REAL, learning_rate=1e-3, prm_max_new_tokens=8) == (1e-3, 48, 128, 8)
+
+
+@pytest.mark.parametrize("score_temperature", [None, 0.7])
+def test_update_trains_the_log_probs_at_the_official_temperature(tiny_cache, score_temperature):
+    # the official loss scores `logits.log_softmax(-1)` (T = 1), whatever the sampling temperature
+    # (0.7): update's loss before its one optimizer step is epo_loss of those log-probs
+    from common.models import load_policy
+    from common.tiny import strategist_overrides
+
+    model, tok = load_policy("tiny", env_id="negotiation", tiny_preset="micro", load_in_4bit=False,
+                             tiny_overrides=strategist_overrides("negotiation"))
+    prompts = [epo.encode(tok, t) for t in ("Round 1 of 8.", "Round 2 of 8. Bob proposes $90.")]
+    comps = [epo.encode(tok, t) + [tok.eos_token_id] for t in ("Strategy: anchor high", "hold")]
+    w = [1.0, 0.5]
+    samples = [epo.Sample(p, c, 0, 0, t, a) for t, (p, c, a) in enumerate(zip(prompts, comps, w))]
+    flags = {} if score_temperature is None else {"score_temperature": score_temperature}
+    args = epo.Args(num_epochs=1, micro_batch_size=8, learning_rate=1e-3, **flags)
+    T = args.score_temperature
+    assert args.temperature == 0.7 and T == (score_temperature or 1.0)
+    with torch.no_grad():
+        lp, mask = epo.completion_logprobs(model, tok, prompts, comps, temperature=T)
+        want = float(epo.epo_loss(lp, mask, torch.tensor(w)))
+        other = epo.completion_logprobs(model, tok, prompts, comps, temperature=1.7 - T)
+        assert abs(float(epo.epo_loss(*other, torch.tensor(w))) - want) > 1e-3  # T tells them apart
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    stats = epo.update(model, tok, optimizer, samples, args, np.random.default_rng(0))
+    assert stats["optimizer_steps"] == 1 and stats["policy_loss"] == pytest.approx(want, rel=1e-5)
 
 
 def test_end_to_end_self_chat_by_flag(runs):
