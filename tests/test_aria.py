@@ -215,6 +215,52 @@ def test_compute_advantages_two_players_discount_per_player():
     np.testing.assert_allclose(agg, raw)  # one game: every key is unique (role + prefix)
 
 
+def test_split_eps_flag_sets_the_stopping_rule():
+    # The games of test_aria_credit_by_hand through compute_advantages, with embeddings chosen so that
+    # average-linkage HAC cuts exactly as there: first actions (0, 0) and (0, 1) (distance 1), second
+    # actions (10, 0) and (10, 3) (distance 3). k=2: {first}, {second}; k=3: the second actions split.
+    # Observations "ok" are labelled by their text (rows unread). gamma 0.5: returns [0.5, 1, 0, 0].
+    # SplitScore(2) = 0.25, SplitScore(3) = 0.125 (worked there).
+    # --split-eps 0.3: both < 0.3, so k* = 2 -> weights [0.25, 0.5, 0.25, 0.5]
+    # paper's 0.01: no k qualifies -> the largest scored k, 3 -> weights [0.25, 1.0, 0.25, 0.0]
+    import tyro
+
+    def game(i, won):
+        ep = aria.Episode(traj_id=i, task_id="t")
+        ep.utterances = [f"first {i}", "ok", f"second {i}", "ok"]
+        ep.kinds = ["action", "observation"] * 2
+        ep.steps = [_step("agent", 0), _step("agent", 2)]
+        ep.outcome = {"agent": float(won)}
+        return ep
+
+    episodes = [game(0, True), game(1, False)]
+    signal = np.array([[0, 0], [0, 0], [10, 0], [0, 0], [0, 1], [0, 0], [10, 3], [0, 0]], dtype=float)
+    for flags, k, want in ((["--split-eps", "0.3"], 2, [0.25, 0.5, 0.25, 0.5]),
+                           ([], 3, [0.25, 1.0, 0.25, 0.0])):
+        args = tyro.cli(aria.Args, args=[*flags, "--gamma", "0.5", "--observation-labels", "exact"])
+        samples, st = aria.compute_advantages(episodes, args, signal)
+        assert st["credit/selected_k"] == k and st["credit/split_scores"] == [0.25, 0.125]
+        np.testing.assert_allclose([x.adv for x in samples], want)
+
+
+def test_reinforce_loss_by_hand():
+    import torch
+
+    # three live steps of a batch of B = 4 (the fourth had weight 0 and was skipped):
+    # Σ_i w_i log π_i = 0.5 x (-1) + 0.25 x (-2) + (-1) x (-0.5) = -0.5 - 0.5 + 0.5 = -0.5
+    # loss = -(-0.5) / 4 = 0.125 (dividing by the 3 live steps would give 0.1667)
+    seq_logp = torch.tensor([-1.0, -2.0, -0.5], requires_grad=True)
+    weights = torch.tensor([0.5, 0.25, -1.0])
+    loss = aria.reinforce_loss(seq_logp, weights, 4)
+    assert float(loss.detach()) == pytest.approx(0.125)
+    # d loss / d log π_i = -w_i / B = [-0.125, -0.0625, 0.25]: a positive weight raises its log-prob
+    loss.backward()
+    np.testing.assert_allclose(seq_logp.grad.numpy(), [-0.125, -0.0625, 0.25])
+    # two micro-batches of the batch add up to the whole: -(0.5 x -1) / 4 = 0.125, -(-0.5 + 0.5) / 4 = 0
+    parts = [aria.reinforce_loss(seq_logp[:1], weights[:1], 4), aria.reinforce_loss(seq_logp[1:], weights[1:], 4)]
+    assert [float(x.detach()) for x in parts] == pytest.approx([0.125, 0.0]) and float(sum(parts).detach()) == pytest.approx(0.125)
+
+
 # ---------------------------------------------------------------------------------------------
 # encoders
 # ---------------------------------------------------------------------------------------------
