@@ -4,13 +4,12 @@ Paper: "Agentic Reinforcement Learning with Implicit Step Rewards" (Liu et al., 
 https://arxiv.org/abs/2509.19199 ; official code: https://github.com/Tongyi-ConvAI/Tongyi-Character
 (directory CharacterRL-iStar/).
 
-Method (docs/istar.md, "Overview"). An implicit process reward model (PRM) π_φ, a second LoRA
-adapter ("prm") on the policy's base model, is trained alongside the policy π_θ. Each iteration:
-roll out N trajectories per task and record π_θold's log-probs; score every step
-r_φ = β Σ_tokens (log π_φ - log π_θold) (Eq. 1); update the PRM with trajectory-level DPO on
-success/failure pairs of a task (Eq. 2); A = A_E + α A_S, episode-level plus step-level advantage
-(Eq. 3-5); clipped surrogate, no KL (Eq. 6). `--alpha 0` is the vanilla RLOO or GRPO baseline (the
-PRM is then neither scored nor trained).
+Method (docs/istar.md). An implicit process reward model (PRM) π_φ, a second LoRA adapter ("prm")
+on the policy's base model, trains alongside the policy π_θ. Each iteration: roll out N
+trajectories per task and record π_θold's log-probs; score every step r_φ = β Σ_tokens (log π_φ -
+log π_θold) (Eq. 1); update the PRM with trajectory-level DPO on success/failure pairs of a task
+(Eq. 2); A = A_E + α A_S, episode-level plus step-level advantage (Eq. 3-5); clipped surrogate, no
+KL (Eq. 6). `--alpha 0` is the vanilla RLOO or GRPO baseline (the PRM neither scores nor trains).
 
 Equations -> functions (section 2; the kernel `istar_turn_advantages` takes plain per-turn arrays)
 - Eq. 1  r_φ(o_1:t, a_t) = β Σ_tok log π_φ(a_t|.) / π_θold(a_t|.)
@@ -24,18 +23,14 @@ Equations -> functions (section 2; the kernel `istar_turn_advantages` takes plai
 - Eq. 6  clipped surrogate on the step-level ratio, step-mean, no KL   -> `policy_loss`
 The PRM's scoring and DPO step (Alg. 1), which give the kernel its log-ratios: `prm_update`.
 
-Deviations from the paper and from the official code: docs/istar.md, "Deviations".
-
 `python istar.py` runs iStar on RLOO with the tiny Sokoban policy, LoRA, on a CPU: 40 iterations of
 4 tasks x 8 trajectories (the paper: full fine-tuning of 7B models, 200 steps of 32 x 8).
-Reading order: Args, section 2 (the method), `rollout`, `compute_advantages`, `prm_update`,
-`update`, `main`; the PRM's measurements (pair accuracy, ...) are benchmarks/istar_prm_stats.py's.
+Deviations from the paper and the official code: docs/istar.md, "Deviations".
 
-Example
-    python istar.py --env-id sokoban --seed 1                 # iStar on RLOO, tiny policy, CPU
-    python istar.py --alpha 0                                 # vanilla RLOO baseline
-    python istar.py --model-name smollm2-135m                 # SmolLM2 + its WebShop adapter
-    python istar.py --model-name Qwen/Qwen2.5-1.5B-Instruct --max-new-tokens 512 --env-id webshop
+    python istar.py                                   # iStar on RLOO, tiny policy, Sokoban, CPU
+    python istar.py --alpha 0                         # vanilla RLOO baseline
+    python istar.py --model-name smollm2-135m         # SmolLM2 + its WebShop adapter
+    python istar.py --model-name Qwen/Qwen2.5-1.5B-Instruct --env-id webshop
 """
 
 from __future__ import annotations
@@ -71,7 +66,7 @@ class Args:
     output_dir: str = "runs"  # directory under which the run directory is created
     track: bool = False  # also log to TensorBoard (only if tensorboard is installed)
     save_model: bool = True  # save the adapters (policy: <run>/adapter, PRM: <run>/adapter/prm)
-    checkpoint_every: Optional[int] = None  # checkpoint each N iterations (0: end); None: RUN_SIZES
+    checkpoint_every: Optional[int] = None  # checkpoint each N iterations (0: end); None: DEFAULTS
     resume: Optional[str] = None  # a run dir to continue from its checkpoint.pt and config.json
     torch_threads: int = 0  # CPU threads for torch (0: leave torch's default)
 
@@ -87,31 +82,33 @@ class Args:
     static_cache: bool = False
     """static KV cache in generate (batches padded to a power of two); transformers compiles it
     on CUDA, but not for 4-bit weights (docs/gpu.md)"""
-    max_new_tokens: Optional[int] = None  # most tokens per turn (paper: 512); None: PRESETS
+    max_new_tokens: Optional[int] = None  # most tokens per turn (paper: 512); None: DEFAULTS
     temperature: float = 1.0  # sampling temperature of the rollouts (paper: 1.0)
     eval_temperature: float = 1.0  # sampled evaluation's temperature (paper: 0.4; greedy too)
 
     # environment
-    env_id: Optional[str] = None  # training and evaluation env; None: by model (RUN_SIZES)
-    history: Optional[int] = None  # (action, observation) pairs shown; None: tiny recipe's or env's
+    env_id: Optional[str] = None  # training and evaluation env; None: DEFAULTS
+    history: Optional[int] = None  # (action, observation) pairs shown; None: the policy's or env's
     max_turns: int = 0  # steps per episode (0: the env's; paper: 15 on Sokoban, 10 on WebShop)
     sokoban_reward: Literal["shaped", "sparse"] = "shaped"  # Sokoban r_o: paper's shaped or sparse
     opponent: str = "rule:fair"  # scripted opponent of two-player envs (bargaining, negotiation)
-    eval_num_tasks: Optional[int] = None  # test tasks per evaluation (0: all); None: RUN_SIZES
-    eval_every: Optional[int] = None  # evaluate every N iterations, first and last; None: RUN_SIZES
+    eval_num_tasks: Optional[int] = None  # test tasks per evaluation (0: all); None: DEFAULTS
+    eval_every: Optional[int] = None  # evaluate every N iterations, first and last; None: DEFAULTS
     num_logged_episodes: int = 4  # decoded episodes per evaluation written to samples.jsonl
 
     # algorithm
-    num_iterations: Optional[int] = None  # iterations (paper: 200); None: by model (RUN_SIZES)
-    tasks_per_iteration: Optional[int] = None  # (paper: 32 Sokoban, 16 WebShop); None: RUN_SIZES
-    group_size: Optional[int] = None  # N: trajectories per task (paper: 8); None: RUN_SIZES
-    learning_rate: Optional[float] = None  # policy lr (paper: 5e-7, full fine-tune); None: PRESETS
-    prm_learning_rate: Optional[float] = None  # PRM lr (paper: 1e-6, 2x policy's); None: PRESETS
-    weight_decay: float = 0.0  # AdamW weight decay of both optimizers (official: 0)
+    num_iterations: Optional[int] = None  # iterations (paper: 200); None: DEFAULTS
+    tasks_per_iteration: Optional[int] = None  # (paper: 32 Sokoban, 16 WebShop); None: DEFAULTS
+    group_size: Optional[int] = None  # N: trajectories per task (paper: 8); None: DEFAULTS
+    learning_rate: Optional[float] = None  # policy lr (paper: 5e-7, full fine-tune); None: DEFAULTS
+    prm_learning_rate: Optional[float] = None
+    """PRM lr (paper: 1e-6); None: DEFAULTS, else 2x the policy's (the paper's ratio)"""
+    weight_decay: float = 0.01  # AdamW weight decay of the policy (official: 0.01, verl's)
+    prm_weight_decay: float = 0.0  # AdamW weight decay of the PRM (official: 0)
     max_grad_norm: float = 1.0  # gradient clipping of the policy (verl default)
     prm_max_grad_norm: float = 10.0  # gradient clipping of the PRM (official)
     num_minibatches: int = 2  # optimizer steps per iteration (the turns in this many minibatches)
-    micro_batch_size: Optional[int] = None  # turns per forward (grad accumulation); None: PRESETS
+    micro_batch_size: Optional[int] = None  # turns per forward (grad accumulation); None: DEFAULTS
     beta: float = 0.05  # β of the implicit reward (paper: 0.05)
     alpha: float = 1.0  # α, weight of the step-level advantage (paper: 1; 0: RLOO/GRPO baseline)
     estimator: Literal["rloo", "grpo"] = "rloo"  # of both levels (paper, Sokoban/WebShop: RLOO)
@@ -120,8 +117,9 @@ class Args:
     """step rewards / their largest |value| in the batch (official istar_norm: batch_norm)"""
     dpo_reduce: Literal["mean", "sum"] = "mean"  # trajectory score: mean (official) or sum (Eq. 2)
     prm_updates_per_iteration: int = 1  # PRM steps per iteration (official: 1; more did not help)
-    prm_replay: Optional[int] = None  # iterations the PRM replays (official: 0); None: PRESETS
-    positive_threshold: Optional[float] = None  # DPO positive: r_o > this; None: success or by env
+    prm_replay: Optional[int] = None  # iterations the PRM replays (official: 0); None: DEFAULTS
+    positive_threshold: Optional[float] = None
+    """DPO positive: r_o > this; None: success, or POSITIVE_THRESHOLD_BY_ENV"""
     invalid_penalty: float = 0.1  # subtracted from the outcome per invalid action (paper: 0.1)
     clip_eps: float = 0.2  # ε of the clipped importance ratio (paper: 0.2)
     dual_clip: float = 3.0  # dual-clip c for negative advantages (verl default; 0 disables)
@@ -129,19 +127,23 @@ class Args:
     adv_eps: float = 1e-6  # ε in (x - mean) / (std + ε)
 
 
-# Options left at None that depend on the model (`resolve_args`). "real": the official PRM settings
-# (lr 2x the policy's, no replay), 8 turns a forward (64 long prompts need >16 GB on a CPU). "tiny":
-# its recipe's prompt options, the cheapest PRM setting that learns (docs/istar.md, "PRM settings").
-PRESETS = {"real": dict(learning_rate=1e-5, max_new_tokens=512, prm_replay=0, micro_batch_size=8),
-           "tiny": dict(learning_rate=5e-4, prm_learning_rate=4e-3, prm_replay=4,
-                        micro_batch_size=64)}
-# The run's size (options left at None): the tiny CPU run (Sokoban's 200 test tasks: SE <= 0.035)
-# and SmolLM2 with its WebShop adapter, under an hour on 2 CPU cores (docs/smollm2.md).
-RUN_SIZES = {"default": dict(env_id="sokoban", num_iterations=40, tasks_per_iteration=4,
-                             group_size=8, eval_num_tasks=200, eval_every=10, checkpoint_every=10),
-             "smollm2-135m": dict(env_id="webshop", num_iterations=8, tasks_per_iteration=2,
-                                  group_size=4, learning_rate=1e-4, eval_num_tasks=30, eval_every=0,
-                                  checkpoint_every=2)}
+# Every option left at None, by model (`with_defaults`): "tiny", the tiny policy on a CPU
+# (Sokoban's 200 test tasks: SE <= 0.035) with the cheapest PRM setting that learns (lr 8x the
+# policy's, replay of 4 iterations: docs/istar.md, "Deviations"); "smollm2-135m", SmolLM2 with its
+# WebShop adapter, under an hour on 2 CPU cores (docs/smollm2.md); "*", any other model: the
+# official PRM settings (no replay), 8 turns a forward (64 long prompts need >16 GB on a CPU). A
+# tiny or shipped policy brings its own token budget (common/models.py).
+DEFAULTS = {
+    "tiny": dict(env_id="sokoban", num_iterations=40, tasks_per_iteration=4, group_size=8,
+                 learning_rate=5e-4, prm_learning_rate=4e-3, prm_replay=4, micro_batch_size=64,
+                 eval_num_tasks=200, eval_every=10, checkpoint_every=10),
+    "smollm2-135m": dict(env_id="webshop", num_iterations=8, tasks_per_iteration=2, group_size=4,
+                         learning_rate=1e-4, max_new_tokens=512, prm_replay=0, micro_batch_size=8,
+                         eval_num_tasks=30, eval_every=0, checkpoint_every=2),
+    "*": dict(env_id="sokoban", num_iterations=40, tasks_per_iteration=4, group_size=8,
+              learning_rate=1e-5, max_new_tokens=512, prm_replay=0, micro_batch_size=8,
+              eval_num_tasks=200, eval_every=10, checkpoint_every=10),
+}
 POSITIVE_THRESHOLD_BY_ENV = {"negotiation": 6.0}  # a 0-10 score: positives above 6 (SOTOPIA rule)
 
 
@@ -337,7 +339,7 @@ class Episode:
 
 
 def rollout(model, tok, new_env, task_ids, group_ids, temperature, max_new_tokens, greedy=False,
-            noise_keys=None):
+            noise_keys=None, progress=None):
     """One episode per task id (policy adapter), all envs stepped together, one batched generate a
     turn. With `noise_keys` (evaluation) turn t samples with `CommonNoise` of (*key, t)."""
     envs_, episodes = [], []
@@ -366,6 +368,8 @@ def rollout(model, tok, new_env, task_ids, group_ids, temperature, max_new_token
             ep.env_return += float(step.reward)
             if step.done:
                 ep.success = bool(step.info.get("success", False))
+        if progress is not None:  # episodes finished this turn
+            progress.update(sum(envs_[i].done for i in active))
     return episodes
 
 
@@ -426,7 +430,7 @@ def prm_log_ratios(model, tok, samples, args):
 
 def paired_batch(samples, traj_success, traj_group):
     """The PRM's training data of one iteration: the steps of the trajectories that are in a pair,
-    their trajectories renumbered 0..n-1 in order, with those trajectories' success and group."""
+    renumbered 0..n-1 in order, with those trajectories' success and group."""
     in_pair = traj_in_pair(traj_success, traj_group)
     keep = [i for i in range(len(traj_success)) if bool(in_pair[i])]
     new_id = {old: new for new, old in enumerate(keep)}
@@ -437,8 +441,8 @@ def paired_batch(samples, traj_success, traj_group):
 
 
 def merge_batches(batches):
-    """Paired batches of several iterations as one; the trajectory and group ids of each batch are
-    offset past those of the batches before it, so no pair crosses iterations."""
+    """Paired batches of several iterations as one, each batch's trajectory and group ids offset
+    past the batches before it, so no pair crosses iterations."""
     samples, succ, grp, n_traj, n_grp = [], [], [], 0, 0
     for b in batches:
         samples += [dataclasses.replace(x, traj=x.traj + n_traj) for x in b["samples"]]
@@ -454,26 +458,25 @@ def merge_batches(batches):
 def prm_update(model, tok, optimizer, samples, traj_success, traj_group, args, replay=()):
     """The PRM's step (Alg. 1): score every step under the PRM as it is (Eq. 1: the log-ratios that
     feed the advantages), then `--prm-updates-per-iteration` steps on the trajectory-DPO loss
-    (Eq. 2) of this batch's pairs and `replay`'s (earlier iterations'), each in two passes
-    (docs/istar.md, "Implementation details" 4): g_s = dL/dr_s without graph, then a re-forward
-    backpropagating Σ_s g_s r_s. Returns (log-ratios, step rewards, stats, `paired_batch`)."""
+    (Eq. 2) of this batch's pairs and `replay`'s (earlier iterations'), each in two passes:
+    g_s = dL/dr_s without graph, then a re-forward backpropagating Σ_s g_s r_s (one micro-batch of
+    activations at a time). Returns (log-ratios, step rewards, stats, `paired_batch`)."""
     device = next(model.parameters()).device
     log_ratios = prm_log_ratios(model, tok, samples, args)
     step_rewards = implicit_turn_rewards(log_ratios, args.beta)  # Eq. 1
-    traj_index = torch.tensor([x.traj for x in samples], dtype=torch.long)
     n_pairs = int(preference_pairs(traj_success, traj_group).shape[0])
-    loss = trajectory_dpo_loss(step_rewards.double(), traj_index, traj_success, traj_group,
-                               args.dpo_reduce)  # new pairs, scored before the PRM trains on them
+    loss = trajectory_dpo_loss(step_rewards.double(), [x.traj for x in samples], traj_success,
+                               traj_group, args.dpo_reduce)  # scored before the PRM trains on them
     stats = {"pairs": n_pairs, "loss": float(loss) if n_pairs else math.nan, "grad_norm": 0.0}
     in_pair = traj_in_pair(traj_success, traj_group)
     paired = [j for j, x in enumerate(samples) if bool(in_pair[x.traj])]  # only they have dL/dr
     mine = paired_batch(samples, traj_success, traj_group)
     batch = merge_batches([mine, *replay])  # this iteration's pairs first
     train = batch["samples"]
-    train_index = torch.tensor([x.traj for x in train], dtype=torch.long)
     if not train:
         model.set_adapter("default")
         return log_ratios, step_rewards, stats, mine
+    train_index = torch.tensor([x.traj for x in train], dtype=torch.long)
     train_rewards = step_rewards[paired]
     order = sorted(range(len(train)), key=lambda i: seq_len(train[i]))  # little padding
     for k in range(args.prm_updates_per_iteration):
@@ -493,9 +496,8 @@ def prm_update(model, tok, optimizer, samples, traj_success, traj_group, args, r
             chunk = [train[i] for i in order[s:s + args.micro_batch_size]]
             lp, m = completion_logprobs(model, tok, [x.prompt for x in chunk],
                                         [x.completion for x in chunk], temperature=args.temperature)
-            old = _padded(chunk, "old", lp.shape[1], device)
-            rewards = implicit_step_rewards(lp, old, m, args.beta)  # Eq. 1 with graph
-            # Σ_s g_s r_s: its gradient is the DPO loss's, one micro-batch of activations at a time
+            rewards = implicit_step_rewards(lp, _padded(chunk, "old", lp.shape[1], device), m,
+                                            args.beta)  # Eq. 1 with graph
             (rewards * grad[order[s:s + len(chunk)]].to(rewards.dtype).to(device)).sum().backward()
         params = [p for group in optimizer.param_groups for p in group["params"]]
         stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, args.prm_max_grad_norm))
@@ -524,9 +526,9 @@ def token_logprobs(model, tok, samples, adapter, micro_batch_size, temperature=1
 
 
 def old_logprob_turns(model, tok, episodes, args):
-    """One Sample per turn with π_θold's token log-probs in `old`, the PRM's reference (Eq. 1) and
-    the old policy (Eq. 6). Recomputed in the PRM's batching, not kept from sampling: log π_φ -
-    log π_θold is then exactly 0 where the PRM equals the policy (iteration 1); a sampling-time
+    """One Sample per turn with π_θold's token log-probs in `old` (the PRM's reference, Eq. 1, and
+    Eq. 6's old policy), recomputed in the PRM's batching rather than kept from sampling: log π_φ
+    - log π_θold is then exactly 0 where the PRM equals the policy (iteration 1); a sampling-time
     log-prob differs in the last bits, which --step-reward-norm's division would make ±1."""
     turns = [Sample(ep.prompts[t], ep.completions[t], ep.group_id, ep.traj_id, t)
              for ep in episodes for t in range(ep.length)]
@@ -537,15 +539,9 @@ def old_logprob_turns(model, tok, episodes, args):
 
 
 def policy_loss(logp, old_logp, adv, weights, clip_eps, dual_clip, step_mask=None):
-    """Clipped surrogate (Eq. 6) with optional dual clip; `weights` carry the aggregation.
-
-        ratio = exp(logp - old); l = -min(ratio A, clip(ratio, 1 - ε, 1 + ε) A)
-        for A < 0: l = min(l, -c A)   (dual clip);   loss = Σ weights * l
-
-    With `step_mask` (the completion mask [B, C]) the ratio is the step's, s = exp(mean over the
-    step's tokens of (logp - old)), as s * π_t / sg(π_t) on every token (Eq. 6, GSPO;
-    docs/istar.md, "Implementation details" 12).
-    """
+    """Clipped surrogate (Eq. 6) with dual clip: loss = Σ weights * max(-r A, -clip(r) A), for A < 0
+    at most -c A. With `step_mask` ([B, C] completion mask) the ratio is the step's (GSPO), s =
+    exp(mean over the step's tokens of (logp - old)), as s * π_t / sg(π_t) on every token."""
     if step_mask is not None:
         n = step_mask.sum(-1, keepdim=True).clamp(min=1.0)
         log_s = ((logp - old_logp) * step_mask).sum(-1, keepdim=True) / n
@@ -612,19 +608,16 @@ def update(model, tok, optimizer, samples, args, rng):
 # ----------------------------------------------------------------------------------------------
 # 5. Evaluation
 # ----------------------------------------------------------------------------------------------
-def episode_record(ep, tag):
-    return {"tag": tag, "task_id": ep.task_id, "success": ep.success, "return": ep.env_return,
-            "turns": [{"action": a, "observation": o, "invalid": inv}
-                      for a, o, inv in zip(ep.actions, ep.observations, ep.invalid)]}
-
-
 def evaluate(model, tok, new_env, tasks, args):
     """Sampled (at --eval-temperature, with common random numbers keyed by (seed, episode), so
     `write_summary` pairs the first and last evaluation) and greedy episodes on the test tasks."""
-    budget = args.max_new_tokens
-    episodes = rollout(model, tok, new_env, tasks, [0] * len(tasks), args.eval_temperature, budget,
-                       noise_keys=[(args.seed, i) for i in range(len(tasks))])
-    greedy = rollout(model, tok, new_env, tasks, [0] * len(tasks), 1.0, budget, greedy=True)
+    with tqdm(total=2 * len(tasks), desc="evaluation", unit="episode", leave=False,
+              dynamic_ncols=True) as bar:
+        episodes = rollout(model, tok, new_env, tasks, [0] * len(tasks), args.eval_temperature,
+                           args.max_new_tokens, noise_keys=[(args.seed, i) for i in
+                                                            range(len(tasks))], progress=bar)
+        greedy = rollout(model, tok, new_env, tasks, [0] * len(tasks), 1.0, args.max_new_tokens,
+                         greedy=True, progress=bar)
     out, n_turns = {}, sum(ep.length for ep in episodes)
     out["eval/success_episodes"] = [float(ep.success) for ep in episodes]
     for key, eps in (("", episodes), ("_greedy", greedy)):
@@ -632,55 +625,59 @@ def evaluate(model, tok, new_env, tasks, args):
         out[f"eval/return{key}"] = float(np.mean([ep.env_return for ep in eps]))
     out["eval/episode_length"] = float(np.mean([ep.length for ep in episodes]))
     out["eval/invalid_rate"] = float(sum(sum(ep.invalid) for ep in episodes) / max(n_turns, 1))
-    records = [episode_record(ep, "sampled") for ep in episodes[: args.num_logged_episodes]]
-    records += [episode_record(ep, "greedy")
-                for ep in greedy[: max(1, args.num_logged_episodes // 2)]]
-    return out, records
+    logged = ([("sampled", ep) for ep in episodes[: args.num_logged_episodes]]
+              + [("greedy", ep) for ep in greedy[: max(1, args.num_logged_episodes // 2)]])
+    return out, [{"tag": tag, "task_id": ep.task_id, "success": ep.success, "return": ep.env_return,
+                  "turns": [{"action": a, "observation": o, "invalid": v}
+                            for a, o, v in zip(ep.actions, ep.observations, ep.invalid)]}
+                 for tag, ep in logged]
 
 
-def run_eval(it, model, tok, new_env, tasks, args, logger):
-    """Evaluate at iteration `it`: its episodes to samples.jsonl, one printed line; the metrics."""
-    t0 = time.time()
-    row, records = evaluate(model, tok, new_env, tasks, args)
-    row["perf/eval_seconds"] = time.time() - t0
-    logger.log_samples(it, records)
-    tqdm.write(eval_line(it, row))
+def iteration_row(episodes, samples, ustats, cstats, prm_stats, seconds):
+    """One iteration's metrics: rollouts, losses, credit and PRM statistics, seconds per phase."""
+    n_turns = sum(ep.length for ep in episodes)
+    row = {
+        "charts/success": float(np.mean([ep.success for ep in episodes])),
+        "charts/return": float(np.mean([ep.env_return for ep in episodes])),
+        "charts/episode_length": float(np.mean([ep.length for ep in episodes])),
+        "charts/invalid_rate": float(sum(sum(ep.invalid) for ep in episodes) / max(n_turns, 1)),
+        **{f"losses/{k}": v for k, v in ustats.items()}, **cstats,
+        **{f"prm/{k}": v for k, v in prm_stats.items()},
+        **{f"perf/{k}_seconds": v for k, v in seconds.items()},
+        "perf/tokens_per_second": (sum(len(x.completion) for x in samples)
+                                   / max(seconds["rollout"], 1e-9)),
+        "perf/samples": len(samples),
+    }
+    if torch.cuda.is_available():
+        row["perf/peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
     return row
-
-
-def step_reward_record(episodes, step_rewards, positive):
-    """samples.jsonl: the PRM's step rewards before its update (Eq. 1) with each step's trajectory
-    and env input, for benchmarks/istar_prm_stats.py (pair accuracy, step rewards vs progress)."""
-    return {"tag": "train_step_rewards", "step_reward": step_rewards.double().tolist(),
-            "traj": [ep.traj_id for ep in episodes for _ in range(ep.length)],
-            "action": [a if not bad else "" for ep in episodes
-                       for a, bad in zip(ep.actions, ep.invalid)],
-            "positive": positive.tolist(), "group": [ep.group_id for ep in episodes],
-            "task_id": [ep.task_id for ep in episodes]}
 
 
 # ----------------------------------------------------------------------------------------------
 # 6. Main loop
 # ----------------------------------------------------------------------------------------------
-# The env and the arguments; the run's plumbing (the same text in every method file: docs/design.md,
-# "Shared blocks"); an iteration's metrics; `main`.
-def make_env(args):
-    """The env factory `new_env` (user errors -> UserError), one probe instance, the policy's
-    model-dependent defaults (`policy_defaults`) and the env options."""
-    import envs
-    from common.models import UserError, policy_defaults
+def adapter_params(model, adapter):
+    """The LoRA parameters of one named adapter (by name, whichever adapter is active)."""
+    return [p for n, p in model.named_parameters() if "lora_" in n and f".{adapter}." in n]
 
-    args = run_size(args)  # main has filled it; a caller outside main may leave env_id at None
+
+def make_env(args):
+    """`args` with every default set (DEFAULTS; the PRM's lr 2x the policy's where no row sets it;
+    POSITIVE_THRESHOLD_BY_ENV) and checked, the env factory, one probe instance, the env options."""
+    import envs
+    from common.models import UserError, policy_prompt_options
+
+    args = with_defaults(args)
+    by_rule = {"prm_learning_rate": 2 * args.learning_rate,
+               "positive_threshold": POSITIVE_THRESHOLD_BY_ENV.get(args.env_id)}
+    args = dataclasses.replace(args, **{k: v for k, v in by_rule.items()
+                                        if getattr(args, k) is None})
+    check_args(args)
     if args.env_id not in envs.available():
         raise UserError(f"env {args.env_id!r} is not available in this checkout; available env "
                         f"ids: {', '.join(envs.available()) or 'none'}")
     # a tiny policy was trained on prompts rendered with its recipe's env options: use the same ones
-    real = PRESETS["real"]
-    defaults = policy_defaults(args.model_name, args.env_id, args.tiny_preset,
-                               learning_rate=real["learning_rate"],
-                               max_new_tokens=real["max_new_tokens"],
-                               tiny_learning_rate=PRESETS["tiny"]["learning_rate"])
-    kw = dict(defaults.env_kwargs)
+    kw = dict(policy_prompt_options(args.model_name, args.env_id, args.tiny_preset).env_kwargs)
     if args.history is not None:
         kw["history"] = args.history
     if args.env_id == "sokoban":
@@ -699,82 +696,29 @@ def make_env(args):
         probe.reset(probe.task_ids("test")[0])
     except ValueError as e:
         raise UserError(f"env {args.env_id!r}: {e}") from None
-    return new_env, probe, defaults, kw
-
-
-def resolve_args(args, defaults):
-    """`args` with every option left at None filled in: PRESETS (lr and token budget as the policy's
-    `defaults` give them), POSITIVE_THRESHOLD_BY_ENV; a real model's PRM lr is 2x the policy's."""
-    preset = PRESETS["tiny" if defaults.is_tiny else "real"]
-    lr = defaults.learning_rate if args.learning_rate is None else args.learning_rate
-    return fill_defaults(args, {**preset, "learning_rate": defaults.learning_rate,
-                                "max_new_tokens": defaults.max_new_tokens,
-                                "prm_learning_rate": preset.get("prm_learning_rate", 2 * lr),
-                                "positive_threshold": POSITIVE_THRESHOLD_BY_ENV.get(args.env_id)})
+    return args, new_env, probe, kw
 
 
 def check_args(args):
-    """User errors in the (resolved) arguments -> UserError, one line that says what to do."""
+    """User errors in the resolved arguments -> UserError, one line that says what to do."""
     from common.models import UserError
 
     rules = [
         (args.group_size >= 2,
          "--group-size must be >= 2 (advantages compare the trajectories of a task)"),
-        (args.tasks_per_iteration >= 1 and args.num_iterations >= 0
-         and (args.micro_batch_size is None or args.micro_batch_size >= 1),  # None: by model
-         "--tasks-per-iteration and --micro-batch-size must be >= 1, --num-iterations >= 0"),
-        (args.max_new_tokens is None or args.max_new_tokens >= 1, "--max-new-tokens must be >= 1"),
+        (min(args.tasks_per_iteration, args.micro_batch_size, args.max_new_tokens) >= 1,
+         "--tasks-per-iteration, --micro-batch-size and --max-new-tokens must be >= 1"),
+        (args.num_iterations >= 0, "--num-iterations must be >= 0"),
         (args.history is None or args.history >= 0, "--history must be >= 0 (or None)"),
         (args.beta > 0, "--beta must be > 0 (it scales the implicit reward, paper: 0.05)"),
         (args.prm_updates_per_iteration >= 1,
          "--prm-updates-per-iteration must be >= 1 (--alpha 0 turns the PRM off)"),
-        (args.prm_replay is None or args.prm_replay >= 0, "--prm-replay must be >= 0 (or None)"),
-        (args.prm_learning_rate is None or args.prm_learning_rate > 0, "--prm-learning-rate: > 0"),
+        (args.prm_replay >= 0, "--prm-replay must be >= 0"),
+        (args.prm_learning_rate > 0, "--prm-learning-rate must be > 0"),
     ]
     for ok, message in rules:
         if not ok:
             raise UserError(message)
-
-
-def iteration_row(episodes, samples, ustats, cstats, prm_stats, seconds):
-    """One iteration's metrics: rollouts, losses, credit and PRM statistics, seconds per phase."""
-    n_turns = sum(ep.length for ep in episodes)
-    row = {
-        "charts/success": float(np.mean([ep.success for ep in episodes])),
-        "charts/return": float(np.mean([ep.env_return for ep in episodes])),
-        "charts/episode_length": float(np.mean([ep.length for ep in episodes])),
-        "charts/invalid_rate": float(sum(sum(ep.invalid) for ep in episodes) / max(n_turns, 1)),
-        **{f"losses/{k}": v for k, v in ustats.items()},
-        **cstats,
-        **{f"prm/{k}": v for k, v in prm_stats.items()},
-        **{f"perf/{k}_seconds": v for k, v in seconds.items()},
-        "perf/tokens_per_second": sum(len(x.completion) for x in samples) / max(seconds["rollout"],
-                                                                                 1e-9),
-        "perf/samples": len(samples),
-    }
-    if torch.cuda.is_available():
-        row["perf/peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
-    return row
-
-
-def adapter_params(model, adapter):
-    """The LoRA parameters of one named adapter (by name, whichever adapter is active)."""
-    return [p for n, p in model.named_parameters() if "lora_" in n and f".{adapter}." in n]
-
-
-def run_size(args):
-    """`args` with the run-size options left at None from RUN_SIZES (no entry: "default")."""
-    own = RUN_SIZES.get(args.model_name, {})
-    filled = {k: v for k, v in own.items() if getattr(args, k) is None}
-    if filled:  # a model with its own entry: say what it took
-        tqdm.write(f"{args.model_name}: " + ", ".join(f"{k}={v}" for k, v in filled.items()))
-    return fill_defaults(args, RUN_SIZES.get(args.model_name, RUN_SIZES["default"]))
-
-
-def fill_defaults(args, values):
-    """`args` with each option left at None set from `values` (PRESETS, the policy's defaults)."""
-    return dataclasses.replace(args, **{k: v for k, v in values.items()
-                                        if getattr(args, k) is None})
 
 
 def main(args: Args):
@@ -786,10 +730,7 @@ def main(args: Args):
     if args.torch_threads > 0:
         torch.set_num_threads(args.torch_threads)
     rng = seed_everything(args.seed)
-    args = run_size(args)
-    new_env, probe, defaults, env_kwargs = make_env(args)
-    args = resolve_args(args, defaults)
-    check_args(args)
+    args, new_env, probe, env_kwargs = make_env(args)
     train_tasks = list(probe.task_ids("train"))
     test_tasks = list(probe.task_ids("test"))[: args.eval_num_tasks or None]  # 0: all of them
 
@@ -799,14 +740,22 @@ def main(args: Args):
                              activation_checkpointing=args.activation_checkpointing)
     add_adapter(model, "prm", **lora)  # the PRM π_φ: a second LoRA adapter on the same base model
     model.set_adapter("default")
-    optimizer = torch.optim.AdamW(adapter_params(model, "default"), lr=args.learning_rate,
-                                  weight_decay=args.weight_decay)
-    prm_optimizer = torch.optim.AdamW(adapter_params(model, "prm"), lr=args.prm_learning_rate,
-                                      weight_decay=args.weight_decay)
-    optimizers = {"policy": optimizer, "prm": prm_optimizer}
+    adam = torch.optim.AdamW
+    optimizers = {"policy": adam(adapter_params(model, "default"), lr=args.learning_rate,
+                                 weight_decay=args.weight_decay),
+                  "prm": adam(adapter_params(model, "prm"), lr=args.prm_learning_rate,
+                              weight_decay=args.prm_weight_decay)}
     run_dir, logger = start_run(args, {
         "env_kwargs": env_kwargs, "max_turns_resolved": probe.max_turns,
         "num_train_tasks": len(train_tasks), "num_test_tasks": len(test_tasks)})
+
+    def run_eval(it):
+        t0 = time.time()
+        row, records = evaluate(model, tok, new_env, test_tasks, args)
+        row["perf/eval_seconds"] = time.time() - t0
+        logger.log_samples(it, records)
+        tqdm.write(eval_line(it, row))
+        return row
 
     replay = deque(maxlen=args.prm_replay)  # the paired batches of the last --prm-replay iterations
     start = 0
@@ -814,7 +763,7 @@ def main(args: Args):
         start, (first_eval, last_eval), state = load_checkpoint(run_dir, model, optimizers, rng)
         replay.extend(dict(b, samples=[Sample(**x) for x in b["samples"]]) for b in state["replay"])
     else:
-        first_eval = last_eval = run_eval(0, model, tok, new_env, test_tasks, args, logger)
+        first_eval = last_eval = run_eval(0)
         logger.log(0, first_eval)
 
     bar = tqdm(range(start + 1, args.num_iterations + 1), desc="istar", dynamic_ncols=True)
@@ -826,37 +775,28 @@ def main(args: Args):
         groups = [g for g in range(len(chosen)) for _ in range(args.group_size)]
         episodes = rollout(model, tok, new_env, tasks, groups, args.temperature,
                            args.max_new_tokens)
-        seconds = {"rollout": time.time() - t0}
         t1 = time.time()
         turns = old_logprob_turns(model, tok, episodes, args)  # π_θold's log-probs, taken once
-        seconds["old_logprob"] = time.time() - t1
-
-        # the PRM scores every step (Eq. 1's log-ratios), then takes its DPO step (Eq. 2)
         t2 = time.time()
         prm_signal, prm_stats = None, {}
-        if args.alpha != 0:  # --alpha 0: RLOO/GRPO alone, no PRM
+        if args.alpha != 0:  # the PRM scores every step (Eq. 1), then takes its DPO step (Eq. 2)
             _, positive, traj_group = trajectory_outcomes(episodes, args.invalid_penalty,
                                                           args.positive_threshold)
-            prm_signal, step_rewards, prm_stats, mine = prm_update(
-                model, tok, prm_optimizer, turns, positive, traj_group, args, replay)
+            prm_signal, _, prm_stats, mine = prm_update(model, tok, optimizers["prm"], turns,
+                                                        positive, traj_group, args, replay)
             replay.appendleft(mine)  # newest first; the deque keeps the last --prm-replay
-            logger.log_samples(it, [step_reward_record(episodes, step_rewards, positive)])
-        seconds["prm"] = time.time() - t2
-
         t3 = time.time()
         samples, cstats = compute_advantages(episodes, args, signal=prm_signal)  # Eq. 3-5
         for x, turn in zip(samples, turns):
             x.old = turn.old
-        seconds["credit"] = time.time() - t3
-
         t4 = time.time()
-        ustats = update(model, tok, optimizer, samples, args, rng)  # Eq. 6
-        seconds["update"] = time.time() - t4
-        seconds["iteration"] = time.time() - t0
-
+        ustats = update(model, tok, optimizers["policy"], samples, args, rng)  # Eq. 6
+        t5 = time.time()
+        seconds = {"rollout": t1 - t0, "old_logprob": t2 - t1, "prm": t3 - t2, "credit": t4 - t3,
+                   "update": t5 - t4, "iteration": t5 - t0}
         row = iteration_row(episodes, samples, ustats, cstats, prm_stats, seconds)
         if args.eval_every and (it % args.eval_every == 0 or it == args.num_iterations):
-            last_eval = run_eval(it, model, tok, new_env, test_tasks, args, logger)
+            last_eval = run_eval(it)
             row.update(last_eval)
         logger.log(it, row)
         if args.checkpoint_every and it % args.checkpoint_every == 0:
@@ -865,10 +805,11 @@ def main(args: Args):
             save_checkpoint(run_dir, it, model, optimizers, rng, (first_eval, last_eval), state)
             if args.save_model:
                 save_adapter(model, run_dir)
-        bar.set_postfix(success=row["charts/success"], reward=row["charts/return"],
-                        loss=row["losses/policy_loss"], prm_loss=row.get("prm/loss", math.nan))
+        bar.set_postfix(success=f"{row['charts/success']:.2f}",
+                        loss=f"{row['losses/policy_loss']:.3f}",
+                        prm_loss=f"{row.get('prm/loss', math.nan):.3f}")
     if args.num_iterations and not args.eval_every:
-        last_eval = run_eval(args.num_iterations, model, tok, new_env, test_tasks, args, logger)
+        last_eval = run_eval(args.num_iterations)
         logger.log(args.num_iterations, last_eval)
     if args.save_model:
         save_adapter(model, run_dir)

@@ -343,9 +343,9 @@ def test_istar_adapter_trains_its_prm_as_the_script_does(tiny_cache, monkeypatch
     monkeypatch.setattr(istar, "prm_update", recording)
     res = cq.istar_batch(cq.Config(tasks=2, group=4, n=1, turns=2, seed=0), argv=["--tiny-preset", "micro"],
                          warm_batches=2)
-    lr = istar.PRESETS["tiny"]["prm_learning_rate"]
+    lr = istar.DEFAULTS["tiny"]["prm_learning_rate"]
     assert seen == [(0, lr), (1, lr), (2, lr)]
-    assert res["prm_learning_rate"] == lr and res["prm_replay"] == istar.PRESETS["tiny"]["prm_replay"]
+    assert res["prm_learning_rate"] == lr and res["prm_replay"] == istar.DEFAULTS["tiny"]["prm_replay"]
 
 
 def test_delta_belief_adapter_scores_three_credits_on_a_micro_policy(tiny_cache, one_thread, monkeypatch):
