@@ -4,34 +4,20 @@
     python benchmarks/report.py --check      # exit 1 if any table in the docs differs from the results
     python benchmarks/report.py --commands   # the benchmarks/learning.py command that fills each table
 
-A generated table lives between two marker comments in a doc, and only the text between them is
-rewritten (the rest of the file is left as it is):
-
-    <!-- results:graphgpo -->
-    ...generated, do not edit...
-    <!-- /results:graphgpo -->
-
-What each table shows is declared once, in TABLES and SUMMARY below. A `Table` names the method script,
-its variants (the flags of each, as passed to benchmarks/learning.py), which variant is the method and
-which are its baselines, the seeds, and the doc holding its markers; its raw results are
-docs/results/<key>.jsonl, written by `python benchmarks/learning.py` (run `--commands` for the exact
-command). Only result lines whose script, variant flags and extra flags match the Table are used (when a
-script's defaults changed after its runs, the Table's `earlier` flags restore them in the commands shown,
-and the lines count whose config has those values); of repeated (variant, seed) lines the last one
-counts. Per variant the table gives the main metric before and after training (means over seeds), the
-mean change ± SE over seeds (SE = sample std / sqrt(n)), the greedy metric before → after, and the
-median [min, max] wall time per run, and where runs recorded it (`train_charts`) the training rollouts'
-success, first → last quarter of the iterations (does a change on the train tasks reach the test tasks);
-per seed each change with its run's own SE; per (method,
-baseline) the paired difference of the changes on the same seed, mean ± SE over seeds, and, as a
-secondary statistic, the paired difference averaged over the evaluations during training (how far
-ahead a method was before the end). SUMMARY is the cross-method table in docs/results.md: one row per
-(method, baseline) pair of the tables marked `summary`, each script's default run now, evaluated with
-common random numbers; SMOLLM2_SUMMARY the same for each script's SmolLM2-135M run (SMOLLM2_TABLES). POWER_DOC holds the power table: per pair of the tables marked `power`, how much the paired
-difference varies from seed to seed, how much of that the final evaluations' own noise explains, the
-smallest difference the seeds resolve at 2 SE and the seeds the current mean would need. Markers that
-are missing are reported and skipped. With matplotlib, the learning curves (mean over seeds, ± SE band)
-go to docs/results/<key>.png.
+A generated table lives between two marker lines in a doc, `<!-- results:KEY -->` and
+`<!-- /results:KEY -->`; only the text between them is rewritten. What each table shows is declared once,
+in TABLES (a `Table`: the script, its variants and their learning.py flags, the method and its
+baselines, the seeds, the doc; its results are docs/results/<key>.jsonl) and in SUMMARY. Only result
+lines whose script, variant flags and extra flags match the Table count (a Table's `earlier` flags
+restore defaults the script had when it ran, and lines whose config has those values count); of
+repeated (variant, seed) lines the last one counts. Per variant: the main metric before and after
+(means over seeds), the mean change ± SE over seeds (sample std / sqrt(n)), the runs above 2 own SEs,
+greedy before → after, wall time, the training rollouts' success (`train_charts`); per seed each change
+with its run's own SE; per (method, baseline) the paired difference of the changes on the same seed,
+at the end and averaged over the evaluations during training. SUMMARY is docs/results.md's
+cross-method table (the tables marked `summary`), SMOLLM2_SUMMARY the same for SmolLM2, and the power
+table (POWER_DOC) has the pairs of the tables marked `power`. Missing markers are reported and skipped.
+With matplotlib, the learning curves (mean over seeds, ± SE band) go to docs/results/<key>.png.
 """
 
 from __future__ import annotations
@@ -112,9 +98,7 @@ TABLES = [
           earlier="--tasks-per-iteration 4 --group-size 8 --num-iterations 32 --eval-every 16",
           note="Twenty Questions with compound secrets (the default env); the test secrets are unseen thing-colour pairs. "
                "The earlier default of 4 secrets × 8 games per iteration."),
-    # 8 secrets x 4 games per iteration (the default since 2026-11-26), the same games as 4 x 8 (so the same time)
-    # spread over twice the secrets, against the training spread of the row above; chosen on seeds 1-3, evaluated
-    # with common random numbers, at the earlier 32 iterations (docs/delta_belief.md).
+    # 8 secrets x 4 games per iteration at 32 iterations, chosen on seeds 1-3 (docs/delta_belief.md).
     Table("delta_belief_t8g4_crn", "docs/delta_belief.md", "delta_belief",
           {"delta": ("ΔBelief-RL (32 it.)", ""), "starpo": ("StarPO (32 it.)", "--reward-mode starpo"),
            "lam0": ("turn-wise GRPO (λ 0, 32 it.)", "--lam 0")}, method="delta",
@@ -122,26 +106,20 @@ TABLES = [
           earlier="--num-iterations 32 --eval-every 16",
           note="Evaluations with common random numbers. Twenty Questions with compound secrets; 8 secrets × 4 "
                "games per iteration (the default), for the earlier 32 iterations."),
-    # The default since later on 2026-11-26: 64 iterations of 8 x 4, evaluated at 32 and 64; chosen over 32 on
-    # seeds 1-3 (docs/delta_belief.md, "Twice the iterations").
-    # Seeds 9-10 added on 2026-11-27 at commit 8fda9d8 (length-sorted micro-batches: the same maths, other rounding),
-    # seeds 11-12 later that day at 20cc912. Later still, seeds 4-6's lines of delta_belief_trainsuccess (c61f565)
-    # and seeds 7-8 run again at 347d816 were appended: the table (the last line of each seed) is every run at the
-    # current code, the first runs of seeds 4-8 (40abeb8, before 8fda9d8) stay in the file above them.
+    # The default: 64 iterations of 8 x 4 (docs/delta_belief.md). The last line of each seed is its run at the
+    # current code; the first runs of seeds 4-8 (40abeb8, other rounding) stay in the file above them.
     Table("delta_belief_it64_crn", "docs/delta_belief.md", "delta_belief",
           {"delta": ("ΔBelief-RL", ""), "starpo": ("StarPO", "--reward-mode starpo")}, method="delta",
           baselines=("starpo",), seeds=tuple(range(4, 13)), extra="--num-iterations 64 --eval-every 32", summary=True,
           note="Evaluations with common random numbers. Twenty Questions with compound secrets; 64 iterations of "
                "8 secrets × 4 games (the default)."),
-    # The same command on seeds 4-6 again at the current code (2026-11-27, commit c61f565: after 8fda9d8's
-    # rounding), for the training rollouts' success (`train_charts`) beside the test secrets'.
+    # The same command on seeds 4-6 again, recording the training rollouts' success (`train_charts`).
     Table("delta_belief_trainsuccess", "docs/delta_belief.md", "delta_belief",
           {"delta": ("ΔBelief-RL", ""), "starpo": ("StarPO", "--reward-mode starpo")}, method="delta",
           baselines=("starpo",), seeds=(4, 5, 6), extra="--num-iterations 64 --eval-every 32", power=False,
           note="Evaluations with common random numbers. The default run again on seeds 4-6 at the current code, "
                "recording the success of the training games (train secrets) beside the test secrets'."),
-    # The tiny learning rate was 5e-4 until 2026-11-27 (then 2.5e-4, chosen on tuning seeds 1-3 and 21-24;
-    # docs/aria.md, "Defaults"): these two tables and aria_crn ran at 5e-4.
+    # ARIA's tiny learning rate was 5e-4 until 2026-11-27 (docs/aria.md): these two tables and aria_crn ran at it.
     Table("aria", "docs/aria.md", "aria",
           {"aria": ("ARIA (lr 5e-4)", ""), "reinforce": ("REINFORCE (lr 5e-4)", "--no-aggregate")}, method="aria",
           baselines=("reinforce",), earlier="--learning-rate 0.0005",
@@ -168,19 +146,13 @@ TABLES = [
           seeds=(7, 8, 9, 10, 11, 12, 13), note="The tiny strategist against the scripted styles (the default); "
                                                     "seeds from 7 on, because its defaults were chosen on seeds 4-6."),
 ]
-# The default run of a script and its baselines with the evaluations that draw common random numbers
-# (docs/learning.md, "Common random numbers"), on held-out seeds: each run's change is measured episode by
-# episode. Seeds 4-8 (ARIA, whose runs are short: 4-15, its table's seeds and four more for its paired
-# difference; GraphGPO and iStar: 4-12, four more for their bars and paired differences, and GraphGPO 13-19
-# too, a confirmatory set for GraphGPO > GiGPO with its rule fixed before the runs; EPO, whose defaults
-# were chosen on 4-6: 7-11). Those of GraphGPO, iStar and EPO are the default runs now, so they are the
-# The summary rows (docs/results.md) (ΔBelief's and ARIA's defaults changed since their runs here: their summary rows are
-# the tables above at the new defaults).
+# The default run of each script and its baselines again, evaluated with common random numbers
+# (docs/learning.md), on held-out seeds; ΔBelief's and ARIA's summary rows are the tables above at
+# their newer defaults.
 CRN_SEEDS = {"graphgpo": tuple(range(4, 20)), "istar": tuple(range(4, 13)), "delta_belief": (4, 5, 6, 7, 8),
              "aria": tuple(range(4, 16)),
              "epo": (7, 8, 9, 10, 11)}
-# Baselines only these tables have: ΔBelief's turn-wise GRPO without the belief term, which separates what
-# the belief gain adds from what the per-turn normalisation adds (docs/learning.md).
+# ΔBelief's turn-wise GRPO without the belief term: what the belief gain adds beyond the normalisation.
 CRN_EXTRA = {"delta_belief": {"lam0": ("turn-wise GRPO (λ 0)", "--lam 0")}}
 CRN_NOTE = "Evaluations with common random numbers."
 TABLES += [
@@ -192,9 +164,8 @@ TABLES += [
     for t in list(TABLES) if t.key in CRN_SEEDS]
 
 
-# SmolLM2-135M-Instruct from each env's shipped SFT adapter (docs/smollm2.md): each script's SmolLM2 run
-# (`--model-name smollm2-135m`, the run size of its RUN_SIZES entry) against its paper's baseline, on held-out
-# seeds (the SmolLM2 sizes were set on seed 1). Their own summary table, beside the tiny one.
+# Each script's SmolLM2 run (`--model-name smollm2-135m`: the env's shipped SFT adapter, the script's
+# DEFAULTS row) against its paper's baseline on held-out seeds (docs/smollm2.md).
 SMOLLM2 = "--model-name smollm2-135m"
 SMOLLM2_BASELINES = {"graphgpo": ("graphgpo", "GraphGPO", "grpo", "GRPO", "--step-advantage none"),
                      "istar": ("istar", "iStar (RLOO)", "rloo", "RLOO", "--alpha 0"),
@@ -206,7 +177,7 @@ SMOLLM2_TABLES = [
           {m: (label_m, SMOLLM2), b: (label_b, f"{SMOLLM2} {flags}")}, method=m, baselines=(b,), seeds=(4, 5, 6),
           power=False, model="smollm2-135m",
           note="Evaluations with common random numbers. SmolLM2-135M-Instruct from the env's shipped SFT adapter, "
-               "the script's SmolLM2 run size (RUN_SIZES).")
+               "the script's SmolLM2 run size (its DEFAULTS row).")
     for script, (m, label_m, b, label_b, flags) in SMOLLM2_BASELINES.items()]
 TABLES += SMOLLM2_TABLES
 
@@ -229,7 +200,7 @@ SUMMARY = Summary()
 SMOLLM2_SUMMARY = Summary(  # <!-- results:summary_smollm2 --> in docs/results.md, below the tiny one
     key="summary_smollm2", rows=tuple((t.key, t.method, b) for t in SMOLLM2_TABLES for b in t.baselines),
     power_rows=(), runs="Each script's SmolLM2-135M run (`--model-name smollm2-135m`: the env's shipped SFT "
-                        "adapter, the run size of RUN_SIZES; docs/smollm2.md)")
+                        "adapter, the script's DEFAULTS row; docs/smollm2.md)")
 
 # The shipped tiny policies (docs/results.md): one row per testbed, from common/weights/MANIFEST.json and each
 # policy's tiny_meta.json (written by `python -m common.tiny --testbed NAME --ship`). name -> what the
