@@ -14,29 +14,22 @@ so everything not named is the script's own default: the point is to measure the
 scratch run directory is deleted after its line is written (`--keep-runs DIR` keeps the runs there).
 Tables are made from the results files by `python benchmarks/report.py` (docs/design.md, "Benchmarks").
 
-One JSON line per run (keys in `RECORD_KEYS`): the bench name, script, variant, the variant's flags, the
-extra flags, the command as a user types it (without --output-dir and --exp-name, which change no
-result), the seed, the main metric (the `learning` block of the run's summary.json: before, after, change,
-each with its standard error), the greedy metric before and after (with its SE where the script logs
-one), the learning curve (the main metric at every evaluation), the means over iterations of the run's
-`credit/*` and `perf/*` metrics, the means of the training rollouts' `charts/*` metrics over the first
-and over the last quarter of the iterations (`train_charts`: e.g. the success on the train tasks beside
-the test metric), the method's end-of-run statistics (`prm_*`: iStar's held-out PRM pair accuracy,
-from benchmarks/istar_prm_stats.py), wall seconds of the subprocess, iterations, the run's config.json, the
-tiny policy (the recipe hash of its tiny_meta.json and a hash of its weights: the same recipe builds
-different weights on different machines), the machine (CPU model and count, load average at the start
-and end of the run, torch and transformers versions), the git commit and whether tracked files outside
-docs/ differed from it, and how many runs shared the machine (`--parallel`).
+One JSON line per run (keys in `RECORD_KEYS`): the command as a user types it (without --output-dir and
+--exp-name, which change no result), seed, variant and its flags; the main metric before and after, the
+change and their standard errors (the `learning` block computed from the run's summary.json), the greedy
+metric, the learning curve, the means of the run's `credit/*` and `perf/*` metrics, the training
+rollouts' `charts/*` over the first and the last quarter of the iterations (`train_charts`), the method's
+end-of-run statistics (`method_stats`: iStar's held-out PRM pair accuracy, benchmarks/istar_prm_stats.py),
+wall seconds, iterations, config.json, the tiny policy (recipe hash and a hash of its weights: one recipe
+builds different weights on different machines), the machine (CPU, load average at the start and end,
+torch and transformers versions), the git commit, and how many runs shared the machine (`--parallel`).
 
-Resumable: a run whose (variant, seed, command) is already in the --out file is skipped (`--rerun`
-runs it again and appends a new line; report.py uses the last line of each). With `--keep-runs DIR` a run
-that was killed also resumes: its directory is DIR/learning_<bench>/<variant>__<seed>__<command hash>, so
-the same command finds it again and continues it from its last checkpoint (`<script>.py --resume RUN_DIR`;
-the scripts' resume ends with the metrics an uninterrupted run has, tests/test_resume.py); a run killed
-before its first checkpoint starts again. Its line's `wall_seconds` sums the sittings (each clocked every
-30 s while it runs) and `sittings` counts them (1: never interrupted). A run that fails (non-zero
-exit, no summary.json) is reported with the end of its log, is not written, and the runner exits 1 after
-the other runs finish.
+Resumable: a run whose (variant, seed, command) is already in the --out file is skipped (`--rerun` runs
+it again; report.py uses the last line of each). With `--keep-runs DIR` a killed run also resumes: its
+directory is DIR/learning_<bench>/<variant>__<seed>__<command hash>, so the same command continues it
+from its last checkpoint (`<script>.py --resume RUN_DIR`); its `wall_seconds` sums the sittings and
+`sittings` counts them. A run that fails is reported with the end of its log, is not written, and the
+runner exits 1 after the other runs finish.
 """
 
 from __future__ import annotations
