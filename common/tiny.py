@@ -185,7 +185,8 @@ ENV_OVERRIDES: dict[str, dict] = {
 # it is sampled differs. Twenty Questions: the compound-secret policy plays its test secrets well greedily
 # (0.94) and sampled at 1.0 (0.91), which leaves RL little room; at 1.5 it wins 0.54 of sampled games with
 # the same greedy play (at 2.0: 0.01), and supervised training on the train secrets' expert labels, scored
-# at 1.5, raises that to 0.74 in 300 steps (benchmarks/sharpen_check.py, docs/learning.md).
+# at 1.5, raises that to 0.74 in 300 steps (measured by a script since removed: `git show
+# bee9ea9:benchmarks/sharpen_check.py`).
 RL_TEMPERATURE: dict[str, float] = {"twenty_questions": 1.5}
 
 
