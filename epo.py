@@ -775,6 +775,25 @@ def check_args(args):
         raise UserError("--score-temperature must be > 0 (official: 1)")
 
 
+def iteration_row(episodes, samples, ustats, cstats, seconds):
+    """One training iteration's metrics: the episodes' charts, the update's losses, the credit's
+    statistics and the timings."""
+    turns = max(sum(ep.length for ep in episodes), 1)
+    row = {"charts/goal_score": float(np.mean([ep.score for ep in episodes])),
+           "charts/success": float(np.mean([ep.won for ep in episodes])),
+           "charts/deal_rate": float(np.mean([ep.deal for ep in episodes])),
+           "charts/episode_length": float(np.mean([ep.length for ep in episodes])),
+           "charts/invalid_rate": float(sum(sum(ep.invalid) for ep in episodes) / turns),
+           **{f"losses/{k}": v for k, v in ustats.items()}, **cstats,
+           **{f"perf/{k}_seconds": v for k, v in seconds.items()},
+           "perf/tokens_per_second": (sum(len(x.completion) for x in samples)
+                                      / max(seconds["rollout"], 1e-9)),
+           "perf/samples": len(samples)}
+    if torch.cuda.is_available():
+        row["perf/peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    return row
+
+
 def main(args: Args):
     import envs
     from common.models import load_policy
@@ -840,20 +859,8 @@ def main(args: Args):
                                       weight_decay=args.weight_decay)
         ustats = update(model, tok, optimizer, samples, args, rng)
         t3 = time.time()
-        row = {"charts/goal_score": float(np.mean([ep.score for ep in episodes])),
-               "charts/success": float(np.mean([ep.won for ep in episodes])),
-               "charts/deal_rate": float(np.mean([ep.deal for ep in episodes])),
-               "charts/episode_length": float(np.mean([ep.length for ep in episodes])),
-               "charts/invalid_rate": float(sum(sum(ep.invalid) for ep in episodes)
-                                            / max(sum(ep.length for ep in episodes), 1)),
-               **{f"losses/{k}": v for k, v in ustats.items()}, **cstats, **prm_stats,
-               "perf/rollout_seconds": t1 - t0, "perf/credit_seconds": t2 - t1,
-               "perf/update_seconds": t3 - t2, "perf/iteration_seconds": t3 - t0,
-               "perf/tokens_per_second": (sum(len(x.completion) for x in samples)
-                                          / max(t1 - t0, 1e-9)),
-               "perf/samples": len(samples)}
-        if torch.cuda.is_available():
-            row["perf/peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        seconds = {"rollout": t1 - t0, "credit": t2 - t1, "update": t3 - t2, "iteration": t3 - t0}
+        row = iteration_row(episodes, samples, ustats, {**cstats, **prm_stats}, seconds)
         logger.log_samples(it, [episode_record(ep, "train")
                                 for ep in episodes[: args.num_logged_episodes]])
         if (args.eval_every and it % args.eval_every == 0) or it == args.num_iterations:
