@@ -24,16 +24,18 @@ Equations -> functions (section 2; the kernel `delta_belief_advantages` takes pl
 - Eq. 2  best-of-n ΔBelief sampling (Fig. 3, evaluation only)          -> `best_of_n_rollout`
 - clipped PG with ε_low / ε_high, dual clip, token-mean                 -> `policy_loss`
 
-`python delta_belief.py` trains the tiny Twenty Questions policy on a CPU, 8 secrets x 4 games per
-iteration against a rule-based oracle (the paper: Qwen3 on GPUs, 240 x 16 games, an LLM judge;
-docs/delta_belief.md, "Deviations"). Read section 2, then `rollout`, `elicit_beliefs`, `update`
-and `main`.
+Deviations from the paper and the official code: docs/delta_belief.md, "Deviations".
+
+`python delta_belief.py` trains a LoRA adapter of the tiny Twenty Questions policy on a CPU, 64
+iterations of 8 secrets x 4 games; the paper trains Qwen3 on GPUs, 240 secrets x 16 games a step.
+The answerer is rule-based (the paper's: an LLM); the tiny policy sees the still-possible secrets
+once 5 are left (its recipe's), a real model never sees the set of secrets (the paper's, §4).
 
 Example
-    python delta_belief.py --env-id twenty_questions --reward-mode delta --lam 0.1 --seed 1
-    python delta_belief.py --model-name smollm2-135m   # SmolLM2 + its adapter, 9 questions
-    python delta_belief.py --model-name Qwen/Qwen3-1.7B --learning-rate 3e-5 \\
-        --tasks-per-iteration 15
+    python delta_belief.py                                  # tiny policy, CPU, ΔBelief
+    python delta_belief.py --reward-mode starpo --seed 2    # StarPO baseline, same budget
+    python delta_belief.py --model-name smollm2-135m        # SmolLM2 + its adapter (DEFAULTS)
+    python delta_belief.py --model-name Qwen/Qwen3-1.7B --tasks-per-iteration 15
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ class Args:
     track: bool = False  # also log to TensorBoard (only if tensorboard is installed)
     save_model: bool = True  # save the LoRA adapter to <run>/adapter at checkpoints and at the end
     checkpoint_every: Optional[int] = None
-    """save the adapter and checkpoint.pt every N iterations (0: at the end; None: RUN_SIZES)"""
+    """save the adapter and checkpoint.pt every N iterations (0: at the end; None: DEFAULTS)"""
     resume: Optional[str] = None  # a run dir to continue from its checkpoint.pt and config.json
     torch_threads: int = 0  # CPU threads for torch (0: leave torch's default)
 
@@ -87,23 +89,23 @@ class Args:
     static_cache: bool = False
     """static KV cache in generate (batches padded to a power of two); transformers compiles it
     on CUDA, but not for 4-bit weights (docs/gpu.md)"""
-    max_new_tokens: Optional[int] = None  # most tokens generated per turn; None: by model (PRESETS)
+    max_new_tokens: Optional[int] = None  # most tokens per turn; None: the policy's, else DEFAULTS
     temperature: Optional[float] = None
-    """rollout sampling temperature; None: by model (1.0, the paper's; the tiny 20Q policy: 1.5)"""
+    """rollout temperature; None: the policy's (1.0, the paper's; the tiny 20Q policy: 1.5)"""
     eval_temperature: Optional[float] = None
     """temperature of the sampled evaluation (greedy is evaluated too); None: --temperature's"""
 
     # environment
-    env_id: Optional[str] = None  # needs env.target, the hidden answer; None: RUN_SIZES
+    env_id: Optional[str] = None  # needs env.target, the hidden answer; None: DEFAULTS
     history: Optional[int] = None  # past (question, answer) pairs shown; None: the env's
-    max_turns: Optional[int] = None  # most questions per game (paper: 20); None: RUN_SIZES
+    max_turns: Optional[int] = None  # most questions per game (paper: 20); None: DEFAULTS
     eval_env_id: str = ""
     """extra out-of-distribution evaluation env, e.g. guess_my_city ('' : none)"""
     eval_max_turns: int = 0
     """question budget at evaluation (0: max_turns; the paper's interaction scaling uses 50)"""
-    eval_num_tasks: Optional[int] = None  # test targets per evaluation (0: all); None: RUN_SIZES
-    eval_k: Optional[int] = None  # sampled games per test target; None: RUN_SIZES
-    eval_every: Optional[int] = None  # evaluate every N iterations, first and last; None: RUN_SIZES
+    eval_num_tasks: Optional[int] = None  # test targets per evaluation (0: all); None: DEFAULTS
+    eval_k: Optional[int] = None  # sampled games per test target; None: DEFAULTS
+    eval_every: Optional[int] = None  # evaluate every N iterations, first and last; None: DEFAULTS
     eval_best_of_n: int = 0
     """if > 0: also evaluate ΔBelief best-of-n sampling (Fig. 3) before and after training"""
     num_logged_episodes: int = 4  # decoded episodes per evaluation written to samples.jsonl
@@ -111,16 +113,17 @@ class Args:
     # algorithm
     reward_mode: Literal["delta", "starpo"] = "delta"
     """'delta': ΔBelief turn rewards + turn-wise GRPO; 'starpo': trajectory-level GRPO (baseline)"""
-    num_iterations: Optional[int] = None  # training iterations; None: by model (RUN_SIZES)
-    tasks_per_iteration: Optional[int] = None  # secrets (official: 240); None: RUN_SIZES
-    group_size: Optional[int] = None  # G: games per secret (paper: 16); None: RUN_SIZES
-    learning_rate: Optional[float] = None  # AdamW lr; None: PRESETS (docs/delta_belief.md)
+    num_iterations: Optional[int] = None  # training iterations; None: DEFAULTS
+    tasks_per_iteration: Optional[int] = None  # secrets (official: 240); None: DEFAULTS
+    group_size: Optional[int] = None  # G: games per secret (paper: 16); None: DEFAULTS
+    learning_rate: Optional[float] = None
+    """AdamW lr; None: DEFAULTS (a real model under StarPO: STARPO_LEARNING_RATE)"""
     adam_betas: tuple[float, float] = (0.9, 0.95)  # AdamW betas (official)
     weight_decay: float = 0.01  # AdamW weight decay (official)
     max_grad_norm: float = 1.0  # gradient clipping norm
-    num_minibatches: int = 2
-    """optimizer steps per iteration (the turns split into this many minibatches; official: 3)"""
-    micro_batch_size: Optional[int] = None  # turns (and LLM PRM prompts) per forward; None: PRESETS
+    num_minibatches: Optional[int] = None
+    """optimizer steps per iteration (the turns split into this many); None: DEFAULTS"""
+    micro_batch_size: Optional[int] = None  # turns (and belief prompts) per forward; None: DEFAULTS
     lam: float = 0.1
     """λ, weight of the clipped belief gain (paper: 0.1; 0 removes the belief term only)"""
     win_reward: float = 2.0  # end-of-game reward for naming the secret
@@ -137,20 +140,27 @@ class Args:
     adv_eps: float = 1e-6  # ε in (r - mean) / (std + ε)
 
 
-# The options left at None depend on the model; `resolve_args` fills them, in this one place.
-# "real": any pretrained model (official token budget, paper's lr). "tiny": its recipe gives prompt
-# options, token budget and RL temperature (common.models.policy_defaults); lr as measured.
-PRESETS = {"real": dict(learning_rate=3e-5, max_new_tokens=50, micro_batch_size=8),
-           "tiny": dict(learning_rate=5e-4, micro_batch_size=64)}
-# The run's size (options left at None): the tiny CPU run (64 iterations chosen over 32; 4 games
-# cover 8 secrets: docs/delta_belief.md) and SmolLM2 with its adapter, under an hour on 2 CPU cores,
-# 9 questions (its halving strategy needs about 9: room to learn; docs/smollm2.md).
-RUN_SIZES = {"default": dict(env_id="twenty_questions", max_turns=20, num_iterations=64,
-                             tasks_per_iteration=8, group_size=4, eval_num_tasks=0, eval_k=5,
-                             eval_every=32, checkpoint_every=50),
-             "smollm2-135m": dict(env_id="twenty_questions", max_turns=9, num_iterations=10,
-                                  tasks_per_iteration=4, group_size=4, learning_rate=1e-4,
-                                  eval_num_tasks=20, eval_k=2, eval_every=5, checkpoint_every=2)}
+# Every option left at None, by model (`with_defaults`): "tiny", the tiny policy on a CPU (64
+# iterations; 4 games cover 8 secrets: docs/delta_belief.md); "smollm2-135m", SmolLM2 with its
+# adapter, under an hour on 2 CPU cores, 9 questions (its halving strategy needs about 9:
+# docs/smollm2.md); "*", any other model: the paper's budget per game, the official 3 minibatches
+# and 128 new tokens (a think-then-ask answer to the env's instruction: 24-87 SmolLM2 tokens). A
+# tiny or shipped policy brings its own token budget and temperature (common/models.py).
+DEFAULTS = {
+    "tiny": dict(env_id="twenty_questions", max_turns=20, num_iterations=64, tasks_per_iteration=8,
+                 group_size=4, learning_rate=5e-4, num_minibatches=2, micro_batch_size=64,
+                 eval_num_tasks=0, eval_k=5, eval_every=32, checkpoint_every=50),
+    "smollm2-135m": dict(env_id="twenty_questions", max_turns=9, num_iterations=10,
+                         tasks_per_iteration=4, group_size=4, learning_rate=1e-4, num_minibatches=2,
+                         micro_batch_size=8, eval_num_tasks=20, eval_k=2, eval_every=5,
+                         checkpoint_every=2),
+    "*": dict(env_id="twenty_questions", max_turns=20, num_iterations=64, tasks_per_iteration=8,
+              group_size=4, learning_rate=3e-5, num_minibatches=3, micro_batch_size=8,
+              max_new_tokens=128, eval_num_tasks=0, eval_k=5, eval_every=32, checkpoint_every=50),
+}
+# StarPO on a "*" model: the paper's (Table 5) and the official script's rate for Qwen3-1.7B. The
+# tiny and SmolLM2 rows keep their one measured rate for both modes.
+STARPO_LEARNING_RATE = 1e-5
 
 
 # ----------------------------------------------------------------------------------------------
@@ -367,7 +377,7 @@ def start_games(new_env, task_ids, group_ids, max_turns=None):
 
 
 def rollout(model, tok, new_env, task_ids, group_ids, args, temperature, belief_message,
-            greedy=False, max_turns=None, with_beliefs=True, noise_keys=None):
+            greedy=False, max_turns=None, with_beliefs=True, noise_keys=None, progress=None):
     """One game per task id, all envs stepped together: one batched generate per turn, then (with
     beliefs) one batched `elicit_beliefs`: b_0 after reset, b_{t+1} after every turn (NaN after a
     winning one). `noise_keys` (evaluation): one key per game, turn t samples with (*key, t, 0)."""
@@ -397,13 +407,14 @@ def rollout(model, tok, new_env, task_ids, group_ids, args, temperature, belief_
             after = dict(zip(unsolved, beliefs(unsolved)))
             for i in active:
                 episodes[i].beliefs.append(float(after.get(i, float("nan"))))
+        if progress is not None:  # games finished this turn
+            progress.update(sum(envs_[i].done for i in active))
     return episodes
 
 
 def compute_advantages(episodes, args, signal=None):
-    """Episodes in, one Sample per turn out with its advantage, and the credit statistics that are
-    logged. `signal`: the log-beliefs [N, 2] of the N turns (b before and after each turn, the
-    kernel's `log_beliefs`); None: those the rollout elicited into the episodes (StarPO: none)."""
+    """One Sample per turn with its advantage, and the logged credit statistics. `signal`: the
+    log-beliefs [N, 2] of the N turns (b before and after each); None: the episodes' own."""
     turns = [(ep, t) for ep in episodes for t in range(ep.length)]
     delta = args.reward_mode == "delta"
     if delta:  # [N, 2]: b before and after every turn
@@ -422,17 +433,11 @@ def compute_advantages(episodes, args, signal=None):
     stats = {"charts/turn_reward_mean": float(np.mean(batch_turn_rewards(**inputs))),
              "credit/adv_abs_mean": float(np.abs(adv).mean()),
              "credit/adv_nonzero_frac": float((np.abs(adv) > 1e-8).mean())}
-    if delta:
-        change = signal[:, 1] - signal[:, 0]  # ΔBelief (Eq. 1) of every turn
+    if delta:  # the mean ΔBelief (Eq. 1) of the turns with a b after them (not a winning one)
+        change = signal[:, 1] - signal[:, 0]
         won_turn = np.array([ep.success and t == ep.length - 1 for ep, t in turns], dtype=bool)
-        deltas = change[~won_turn & np.isfinite(change)]  # the winning turn has no b after it
-        deltas = deltas if len(deltas) else np.zeros(1)  # none measured: 0
-        first = [t == 0 for _, t in turns]
-        stats.update({"credit/delta_belief_mean": float(np.mean(deltas)),
-                      "credit/delta_belief_pos_frac": float(np.mean(deltas > 0)),
-                      "credit/belief_b0_mean": float(np.mean(signal[first, 0])),
-                      "credit/belief_gain_reward_mean": float(args.lam
-                                                              * np.mean(np.maximum(deltas, 0)))})
+        deltas = change[~won_turn & np.isfinite(change)]
+        stats["credit/delta_belief_mean"] = float(np.mean(deltas)) if len(deltas) else 0.0
     return samples, stats
 
 
@@ -441,12 +446,15 @@ def compute_advantages(episodes, args, signal=None):
 # ----------------------------------------------------------------------------------------------
 # The belief b_t (the kernel's log_beliefs) is a scoring forward pass like the loss's: the log-prob
 # of the secret's tokens in an elicitation message, through `completion_logprobs`.
-def belief_message_for(template, env, is_tiny):
-    """`template`, or for "auto" the official "Is it '{target}'?"; a tiny policy on an env with
-    guesses gets the env's `guess_text` ("Is it a cat?"), the only guess form it has seen."""
-    if template != "auto":
-        return template
-    if is_tiny and env.guess_text(env.task_ids("test")[0]) is not None:
+def belief_message_for(args, env):
+    """--belief-template, or for "auto" the official "Is it '{target}'?"; a tiny policy on an env
+    with guesses gets the env's `guess_text` ("Is it a cat?"), the only guess form it has seen."""
+    from common.models import policy_kind
+
+    if args.belief_template != "auto":
+        return args.belief_template
+    if (policy_kind(args.model_name) == "tiny"
+            and env.guess_text(env.task_ids("test")[0]) is not None):
         return env.guess_text
     return "Is it '{target}'?"
 
@@ -476,9 +484,8 @@ def locate_target(tok, message: str, target: str):
 @torch.no_grad()
 def elicit_beliefs(model, tok, messages_list, targets, template="Is it '{target}'?",
                    micro_batch_size=64):
-    """b = Σ log p(target tokens | chat, "Is it '") for each (messages, target); no gradient. The
-    chat is rendered as at sampling time, the message is the next assistant turn
-    (docs/delta_belief.md, "Implementation details" 1); raw logits (temperature 1)."""
+    """b = Σ log p(target tokens | chat, "Is it '") per (chat, target), raw logits, no gradient;
+    the message is the next assistant turn (docs/delta_belief.md, "Implementation details" 1)."""
     if not messages_list:
         return np.zeros(0)
     prompts, messages, masks = [], [], []
@@ -533,9 +540,8 @@ def policy_loss(logp, old_logp, adv, weights, clip_low, clip_high, dual_clip):
 
 
 def minibatches(trajs, n, rng, whole_games):
-    """Split sample indices into n shuffled minibatches; trajs[i] is sample i's game id. With
-    `whole_games` the games are shuffled and split, so every turn of a game lands in one minibatch
-    (the official grouping: under seq-mean-token-mean a game split in two would weigh twice)."""
+    """Sample indices in n shuffled minibatches (trajs[i]: sample i's game). `whole_games` keeps a
+    game's turns in one (official: under seq-mean-token-mean a split game would weigh twice)."""
     n = max(1, n)
     if not whole_games:
         return [list(b) for b in np.array_split(rng.permutation(len(trajs)), n)]
@@ -549,9 +555,8 @@ def minibatches(trajs, n, rng, whole_games):
 
 
 def update(model, tok, optimizer, samples, args, rng):
-    """One pass over the turns in `num_minibatches` optimizer steps of the policy, aggregated by
-    `--loss-agg`. π_θold's token log-probs are taken here, before any step, where sampling did not
-    keep them or kept them in less than fp32 (they would differ from these)."""
+    """One pass over the turns in `num_minibatches` optimizer steps, aggregated by --loss-agg.
+    π_θold's log-probs are taken here where sampling did not keep them in fp32."""
     device = next(model.parameters()).device
     agg = args.loss_agg if args.loss_agg != "auto" else (
         "token-mean" if args.reward_mode == "delta" else "seq-mean-token-mean")
@@ -565,8 +570,7 @@ def update(model, tok, optimizer, samples, args, rng):
     stats = {k: [] for k in ("policy_loss", "approx_kl", "clip_frac", "grad_norm")}
     for minibatch_idx in minibatches([x.traj for x in samples], args.num_minibatches, rng,
                                      whole_games=agg == "seq-mean-token-mean"):
-        # sorted by length: the minibatch's loss is a sum over its micro-batches, so the order
-        # changes no gradient, only how much padding each micro-batch's forward pays for
+        # sorted by length: the loss is a sum over micro-batches, so only the padding changes
         minibatch = sorted((samples[i] for i in minibatch_idx), key=seq_len)
         if not minibatch:
             continue
@@ -606,7 +610,8 @@ def update(model, tok, optimizer, samples, args, rng):
 # ----------------------------------------------------------------------------------------------
 # 5. Evaluation
 # ----------------------------------------------------------------------------------------------
-def best_of_n_rollout(model, tok, new_env, tasks, args, belief_message, n, max_turns, noise_keys):
+def best_of_n_rollout(model, tok, new_env, tasks, args, belief_message, n, max_turns, noise_keys,
+                      progress=None):
     """ΔBelief best-of-n (Eq. 2, Fig. 3): every turn samples n questions (keys (*key, t, j)), plays
     each on a copy of the env and keeps the largest belief gain; a question that wins, outright."""
     envs_, episodes = start_games(new_env, tasks, range(len(tasks)), max_turns)
@@ -632,6 +637,8 @@ def best_of_n_rollout(model, tok, new_env, tasks, args, belief_message, n, max_t
             envs_[i] = copies[j]
             episodes[i].add_turn(tok, prompts[k], completions[j], steps[j])
             episodes[i].beliefs.append(float(after[j]) if np.isfinite(after[j]) else math.nan)
+        if progress is not None:
+            progress.update(sum(envs_[i].done for i in active))
     return episodes
 
 
@@ -641,18 +648,23 @@ def evaluate(model, tok, new_env, tasks, args, prefix, belief_message, best_of_n
     k, max_turns = args.eval_k, args.eval_max_turns or args.max_turns
     stream = 0 if prefix == "eval/" else 1  # the test secrets; the out-of-distribution ones
     keys = [(args.seed, stream, i) for i in range(len(tasks) * k)]
-    sampled = rollout(model, tok, new_env, [t for t in tasks for _ in range(k)],
-                      [i // k for i in range(len(keys))], args, args.eval_temperature,
-                      belief_message, max_turns=max_turns, with_beliefs=False, noise_keys=keys)
-    greedy = rollout(model, tok, new_env, tasks, range(len(tasks)), args, 1.0, belief_message,
-                     greedy=True, max_turns=max_turns, with_beliefs=False)
+    with tqdm(total=len(tasks) * (k + 1 + bool(best_of_n)), desc=prefix.rstrip("/_"),
+              unit="game", leave=False, dynamic_ncols=True) as bar:
+        sampled = rollout(model, tok, new_env, [t for t in tasks for _ in range(k)],
+                          [i // k for i in range(len(keys))], args, args.eval_temperature,
+                          belief_message, max_turns=max_turns, with_beliefs=False,
+                          noise_keys=keys, progress=bar)
+        greedy = rollout(model, tok, new_env, tasks, range(len(tasks)), args, 1.0,
+                         belief_message, greedy=True, max_turns=max_turns, with_beliefs=False,
+                         progress=bar)
+        best = best_of_n and best_of_n_rollout(
+            model, tok, new_env, tasks, args, belief_message, best_of_n, max_turns,
+            [(args.seed, stream + 2, i) for i in range(len(tasks))], progress=bar)
     row = {prefix + "success_episodes": [float(ep.success) for ep in sampled]}
     for name, episodes in ((prefix + "success", sampled), (prefix + "success_greedy", greedy)):
         row[name], row[name + "_se"] = mean_se([ep.success for ep in episodes])
     shown = [("sampled", ep) for j in range(k) for ep in sampled[j::k]][: args.num_logged_episodes]
     if best_of_n:
-        best = best_of_n_rollout(model, tok, new_env, tasks, args, belief_message, best_of_n,
-                                 max_turns, [(args.seed, stream + 2, i) for i in range(len(tasks))])
         name = f"{prefix}bon{best_of_n}_success"
         row[name], row[name + "_se"] = mean_se([ep.success for ep in best])
         shown += [(f"best_of_{best_of_n}", ep) for ep in best[:2]]
@@ -665,8 +677,8 @@ def evaluate(model, tok, new_env, tasks, args, prefix, belief_message, best_of_n
 # 6. Main loop
 # ----------------------------------------------------------------------------------------------
 def env_factory(env_id, kw, max_turns, what):
-    """`new_env` of `env_id` with options `kw`, and a probe instance; user errors (an unknown env
-    id, bad options, no hidden target) -> UserError naming `what` ("env" or "--eval-env-id")."""
+    """`new_env` of `env_id` with options `kw` and a probe; an unknown env, bad options or no
+    hidden target -> UserError naming `what` ("env" or "--eval-env-id")."""
     import envs
     from common.models import UserError
 
@@ -678,7 +690,7 @@ def env_factory(env_id, kw, max_turns, what):
     try:
         probe = new_env()
         probe.reset(probe.task_ids("test")[0])
-    except ValueError as e:
+    except (ValueError, TypeError) as e:  # TypeError: an option the env does not take
         raise UserError(f"{what} {env_id!r}: {e}") from None
     if not getattr(probe, "target", None):
         raise UserError(f"{what} {env_id!r} has no hidden target (env.target); ΔBelief needs one "
@@ -687,73 +699,57 @@ def env_factory(env_id, kw, max_turns, what):
 
 
 def make_env(args):
-    """`new_env`, a probe, the policy's defaults (`policy_defaults`) and the env options: a tiny
-    policy's recipe's (the prompts it was trained on), --history over them."""
-    from common.models import policy_defaults
+    """`args` with every default set (DEFAULTS, STARPO_LEARNING_RATE) and checked, the env factory
+    `new_env`, a probe and the env options (a tiny or SFT recipe's; --history over them)."""
+    from common.models import policy_kind, policy_prompt_options
 
-    args = run_size(args)  # main has filled it; a caller outside main may leave env_id at None
-    real, tiny = PRESETS["real"], PRESETS["tiny"]
-    defaults = policy_defaults(args.model_name, args.env_id, args.tiny_preset,
-                               learning_rate=real["learning_rate"],
-                               max_new_tokens=real["max_new_tokens"],
-                               tiny_learning_rate=tiny["learning_rate"])
-    kw = dict(defaults.env_kwargs)
+    if (args.learning_rate is None and args.reward_mode == "starpo"
+            and policy_kind(args.model_name) not in DEFAULTS):
+        args = dataclasses.replace(args, learning_rate=STARPO_LEARNING_RATE)
+    args = with_defaults(args)
+    if args.eval_temperature is None:
+        args = dataclasses.replace(args, eval_temperature=args.temperature)
+    check_args(args)
+    kw = dict(policy_prompt_options(args.model_name, args.env_id, args.tiny_preset).env_kwargs)
     if args.history is not None:
         kw["history"] = args.history
-    return (*env_factory(args.env_id, kw, args.max_turns, "env"), defaults, kw)
+    return (args, *env_factory(args.env_id, kw, args.max_turns, "env"), kw)
 
 
-def make_ood_env(args, env_kwargs, is_tiny):
-    """--eval-env-id's (env factory, test tasks, belief message). The policy's prompt format
-    (instructions, numbered, --history) carries over; the content options stay the env's own."""
+def make_ood_env(args, env_kwargs):
+    """--eval-env-id's (env factory, test tasks, belief message): the policy's prompt format
+    carries over (instructions, numbered, --history, the candidate list: none for a real model)."""
     kw = {k: env_kwargs[k] for k in ("instructions", "numbered") if k in env_kwargs}
     if args.history is not None:
         kw["history"] = args.history
     new_env, probe = env_factory(args.eval_env_id, kw, args.eval_max_turns or args.max_turns,
                                  "--eval-env-id")
-    return (new_env, probe.task_ids("test")[: args.eval_num_tasks or None],
-            belief_message_for(args.belief_template, probe, is_tiny))
 
+    def ood_env():
+        env = new_env()
+        env.show_candidates = env_kwargs.get("show_candidates", 0)
+        return env
 
-def resolve_args(args, defaults):
-    """The options left at None, from PRESETS and the policy's `defaults`: the values the run uses
-    and config.json records."""
-    temperature = defaults.temperature if args.temperature is None else args.temperature
-    return fill_defaults(args, dict(
-        learning_rate=defaults.learning_rate, max_new_tokens=defaults.max_new_tokens,
-        temperature=temperature, eval_temperature=temperature,
-        micro_batch_size=PRESETS["tiny" if defaults.is_tiny else "real"]["micro_batch_size"]))
+    return (ood_env, probe.task_ids("test")[: args.eval_num_tasks or None],
+            belief_message_for(args, probe))
 
 
 def check_args(args):
-    """User errors in the (resolved) arguments -> UserError, one line that says what to do."""
+    """User errors in the resolved arguments -> UserError, one line that says what to do."""
     from common.models import UserError
 
     if args.group_size < 2:
         raise UserError("--group-size must be >= 2 (advantages compare the games of a secret)")
-    if min(args.tasks_per_iteration, args.micro_batch_size, args.eval_k) < 1:
-        raise UserError("--tasks-per-iteration, --micro-batch-size and --eval-k must be >= 1")
+    if min(args.tasks_per_iteration, args.micro_batch_size, args.eval_k, args.num_minibatches,
+           args.max_new_tokens) < 1:
+        raise UserError("--tasks-per-iteration, --micro-batch-size, --eval-k, --num-minibatches "
+                        "and --max-new-tokens must be >= 1")
     if args.num_iterations < 0:
         raise UserError("--num-iterations must be >= 0")
     if args.history is not None and args.history < 0:
         raise UserError(f"--history must be >= 0 (or None), got {args.history}")
     if args.belief_template != "auto" and "{target}" not in args.belief_template:
         raise UserError("--belief-template must contain '{target}', e.g. \"Is it '{target}'?\"")
-
-
-def run_size(args):
-    """`args` with the run-size options left at None from RUN_SIZES (no entry: "default")."""
-    own = RUN_SIZES.get(args.model_name, {})
-    filled = {k: v for k, v in own.items() if getattr(args, k) is None}
-    if filled:  # a model with its own entry: say what it took
-        tqdm.write(f"{args.model_name}: " + ", ".join(f"{k}={v}" for k, v in filled.items()))
-    return fill_defaults(args, RUN_SIZES.get(args.model_name, RUN_SIZES["default"]))
-
-
-def fill_defaults(args, values):
-    """`args` with each option left at None set from `values` (PRESETS, the policy's defaults)."""
-    return dataclasses.replace(args, **{k: v for k, v in values.items()
-                                        if getattr(args, k) is None})
 
 
 def main(args: Args):
@@ -765,16 +761,13 @@ def main(args: Args):
     if args.torch_threads > 0:
         torch.set_num_threads(args.torch_threads)
     rng = seed_everything(args.seed)
-    args = run_size(args)
-    new_env, probe, defaults, env_kwargs = make_env(args)
-    args = resolve_args(args, defaults)
-    check_args(args)
-    belief_message = belief_message_for(args.belief_template, probe, defaults.is_tiny)
+    args, new_env, probe, env_kwargs = make_env(args)
+    belief_message = belief_message_for(args, probe)
     train_tasks = list(probe.task_ids("train"))
     test_tasks = list(probe.task_ids("test"))[: args.eval_num_tasks or None]  # 0: all of them
     evals = {"eval/": (new_env, test_tasks, belief_message)}
     if args.eval_env_id and args.eval_env_id != args.env_id:  # out-of-distribution evaluation
-        evals["eval/ood_"] = make_ood_env(args, env_kwargs, defaults.is_tiny)
+        evals["eval/ood_"] = make_ood_env(args, env_kwargs)
 
     model, tok = load_policy(args.model_name, env_id=args.env_id, tiny_preset=args.tiny_preset,
                              load_in_4bit=args.load_in_4bit, lora_r=args.lora_r,
@@ -817,14 +810,12 @@ def main(args: Args):
         groups = [g for g in range(len(chosen)) for _ in range(args.group_size)]
         episodes = rollout(model, tok, new_env, tasks, groups, args, args.temperature,
                            belief_message, with_beliefs=args.reward_mode == "delta")
-        seconds = {"rollout": time.time() - t0}
         t1 = time.time()
         samples, cstats = compute_advantages(episodes, args)  # the beliefs: in the episodes
-        seconds["credit"] = time.time() - t1
         t2 = time.time()
         ustats = update(model, tok, optimizer, samples, args, rng)
-        seconds["update"] = time.time() - t2
-        seconds["iteration"] = time.time() - t0
+        t3 = time.time()
+        seconds = {"rollout": t1 - t0, "credit": t2 - t1, "update": t3 - t2, "iteration": t3 - t0}
         row = {"charts/success": float(np.mean([ep.success for ep in episodes])),
                "charts/episode_length": float(np.mean([ep.length for ep in episodes])),
                "charts/invalid_rate": sum(sum(ep.invalid) for ep in episodes) / len(samples),

@@ -3,10 +3,12 @@ forward pass on the micro tiny model, and the script end to end."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
 import sys
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -130,9 +132,8 @@ def test_compute_advantages_gives_the_kernels_numbers_per_turn():
     np.testing.assert_allclose([x.adv for x in samples], [1.150, -0.487, -S2, -0.664, S2], atol=1e-3)
     assert all(torch.equal(x.old, torch.tensor([-0.5])) for x in samples)  # the sampler's, kept
     assert stats["charts/turn_reward_mean"] == pytest.approx((1.95 + 0.1 - 0.1 - 0.1 + 0.0) / 5)
-    # ΔBelief of the turns that have a b after them: 2, 0, 0, 1 -> mean 0.75, positive half
+    # ΔBelief of the turns that have a b after them: 2, 0, 0, 1 -> mean 0.75
     assert stats["credit/delta_belief_mean"] == pytest.approx(0.75)
-    assert stats["credit/delta_belief_pos_frac"] == 0.5 and stats["credit/belief_b0_mean"] == -3.0
     # an explicit signal replaces the episodes' beliefs: τ1's first question now gains nothing
     signal = [[-3.0, float("nan")], [-3.0, -3.0], [-3.0, -3.0], [-3.0, -3.0], [-3.0, -2.0]]
     other, _ = db.compute_advantages(episodes, args, signal=signal)
@@ -305,7 +306,11 @@ SMALL = ["--num-iterations", "2", "--tasks-per-iteration", "2", "--group-size", 
 # ΔBelief for two iterations, StarPO for one, and an evaluation only (0 iterations) with an OOD env
 E2E_SCRIPT = "delta_belief.py"
 E2E = {"delta": [*SMALL, "--eval-best-of-n", "2"],
-       "starpo": [SMALL[0], "1", *SMALL[2:], "--reward-mode", "starpo"],
+       # the shipped tiny policy at its own 16 tokens (the micro one's questions seldom end within
+       # 10): finished questions, returns that differ, so StarPO has a signal and trains
+       "starpo": [SMALL[0], "1", *SMALL[2:SMALL.index("--max-new-tokens")],
+                  *SMALL[SMALL.index("--max-new-tokens") + 2:], "--reward-mode", "starpo",
+                  "--tiny-preset", "default"],
        "ood": [SMALL[0], "0", *SMALL[2:], "--eval-env-id", "guess_my_city"]}
 
 
@@ -334,12 +339,9 @@ def test_end_to_end_starpo(runs):
     run_dir = runs["starpo"].result()
     assert_run_outputs(run_dir)
     row = [r for r in read_metrics(run_dir) if "credit/adv_nonzero_frac" in r][0]
-    assert math.isfinite(row["losses/policy_loss"])
-    if row["credit/adv_nonzero_frac"] > 0:
-        assert_adapter_trained(run_dir)
-    else:  # the micro policy seldom ends a question with EOS within 10 tokens, and a completion cut at
-        # max_new_tokens is an invalid action: every turn invalid, equal returns, no signal to train on
-        assert row["charts/invalid_rate"] == 1.0
+    assert math.isfinite(row["losses/policy_loss"]) and row["charts/invalid_rate"] < 1.0
+    assert row["credit/adv_nonzero_frac"] > 0 and row["losses/grad_norm"] > 0  # a signal, a step
+    assert_adapter_trained(run_dir)
 
 
 def test_end_to_end_out_of_distribution_eval(runs):
@@ -382,15 +384,169 @@ def test_minibatches_keep_whole_games_for_starpo():
     assert any({trajs[i] for i in parts[0]} & {trajs[i] for i in parts[1]} for parts in split)  # turns shuffled
 
 
-def test_make_env_returns_the_factory_a_probe_the_defaults_and_the_env_options():
-    from common.models import UserError
+def test_make_env_returns_the_args_the_factory_a_probe_and_the_env_options():
+    from common.models import UserError, policy_kind
 
-    args = db.Args(tiny_preset="micro", history=2, max_turns=3, eval_env_id="guess_my_city", eval_num_tasks=2)
-    new_env, probe, defaults, kw = db.make_env(args)
+    args = db.Args(history=2, max_turns=3, eval_env_id="guess_my_city", eval_num_tasks=2)
+    args, new_env, probe, kw = db.make_env(args)
     env = new_env()
     assert env is not probe and env.max_turns == 3 and probe.target and kw["history"] == 2
-    assert defaults.is_tiny and defaults.learning_rate == 5e-4  # the tiny learning rate (docs/delta_belief.md)
-    new_ood_env, ood_tasks, _ = db.make_ood_env(args, kw, defaults.is_tiny)
+    assert policy_kind(args.model_name) == "tiny" and args.learning_rate == 5e-4  # the tiny row
+    assert args.eval_temperature == args.temperature and args.num_minibatches == 2
+    new_ood_env, ood_tasks, _ = db.make_ood_env(args, kw)
     assert new_ood_env().max_turns == 3 and len(ood_tasks) == 2  # --eval-max-turns 0: --max-turns
+    assert new_ood_env().show_candidates == kw["show_candidates"] == 5  # the tiny recipe's list
     with pytest.raises(UserError, match="--eval-env-id 'sokoban' has no hidden target"):
-        db.make_ood_env(db.Args(tiny_preset="micro", eval_env_id="sokoban", eval_max_turns=3), kw, True)
+        db.make_ood_env(dataclasses.replace(args, eval_env_id="sokoban", eval_max_turns=3), {})
+    with pytest.raises(UserError, match="--eval-env-id 'sokoban': .*'numbered'"):  # not a crash
+        db.make_ood_env(dataclasses.replace(args, eval_env_id="sokoban"), kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# policy_loss and update, by hand
+# ---------------------------------------------------------------------------------------------
+def test_policy_loss_by_hand():
+    import torch
+
+    # ratios 1.5, 0.5, 1.1 (old log-probs 0), A = 1, -1, -1, weights 0.5, 0.25, 0.25, clip 0.2 / 0.28
+    # token 1: -min(1.5, 1.28) = -1.28 (clipped); token 2: A < 0, -A * max(0.5, 0.8) = 0.8 (clipped);
+    # token 3: 1.1 inside the range -> 1.1. loss = 0.5 * -1.28 + 0.25 * 0.8 + 0.25 * 1.1 = -0.165
+    logp = torch.log(torch.tensor([[1.5, 0.5, 1.1]]))
+    old, adv, w = torch.zeros(1, 3), torch.tensor([[1.0, -1.0, -1.0]]), torch.tensor([[0.5, 0.25, 0.25]])
+    loss, clipped = db.policy_loss(logp, old, adv, w, 0.2, 0.28, 3.0)
+    assert float(loss) == pytest.approx(-0.165, abs=1e-6) and clipped.tolist() == [[1.0, 1.0, 0.0]]
+    # ε_high 0.5: token 1 gives -1.5 -> 0.5 * -1.5 + 0.475 = -0.275
+    assert float(db.policy_loss(logp, old, adv, w, 0.2, 0.5, 3.0)[0]) == pytest.approx(-0.275, abs=1e-6)
+    # ratio 5 with A = -1: -A * 5 = 5, the dual clip caps it at -c A = 3; dual_clip 0: 5
+    big = torch.log(torch.tensor([[5.0]]))
+    one = torch.ones(1, 1)
+    assert float(db.policy_loss(big, one * 0, -one, one, 0.2, 0.28, 3.0)[0]) == pytest.approx(3.0)
+    assert float(db.policy_loss(big, one * 0, -one, one, 0.2, 0.28, 0.0)[0]) == pytest.approx(5.0)
+
+
+def _update_batch(random_llama_dir):
+    import torch
+
+    from tests.test_shared_blocks import _policy_with_a_trained_looking_adapter
+
+    model, tok = _policy_with_a_trained_looking_adapter(random_llama_dir)
+    g = torch.Generator().manual_seed(3)
+    lengths = [(9, 2), (3, 1), (14, 3), (5, 2), (11, 4), (4, 3), (8, 2)]  # unsorted on purpose
+    trajs, advs = [0, 0, 1, 2, 2, 2, 3], [1.0, -0.5, 2.0, 0.0, -1.0, 0.7, -2.0]
+    samples = [db.Sample(torch.randint(5, 250, (p,), generator=g).tolist(),
+                         torch.randint(5, 250, (c,), generator=g).tolist(), group=0, traj=t,
+                         turn=i - trajs.index(t), adv=a)
+               for i, ((p, c), t, a) in enumerate(zip(lengths, trajs, advs))]
+    return model, tok, samples
+
+
+def _grad_of_update(model, tok, samples, **kw):
+    import torch
+
+    args = db.Args(num_minibatches=1, temperature=1.0, max_grad_norm=1e9, **kw)
+    params = [p for p in model.parameters() if p.requires_grad]
+    for x in samples:
+        x.old = None  # update takes π_θold's log-probs itself: every ratio starts at 1
+    stats = db.update(model, tok, torch.optim.SGD(params, lr=0.0), samples, args, np.random.default_rng(0))
+    return torch.cat([p.grad.flatten() for p in params]), stats
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_micro_batched_update_gradient_equals_the_hand_made_one(random_llama_dir, agg):
+    """At ratio 1 the loss's gradient is -Σ_tokens w A ∇log p: w = 1 / (all tokens) for token-mean,
+    1 / (games x the game's tokens) for seq-mean-token-mean. By hand: each sample alone, unpadded, its
+    completion's log-probs summed; the update's length-sorted micro-batches of 3 must give the same."""
+    import torch
+
+    model, tok, samples = _update_batch(random_llama_dir)
+    got, stats = _grad_of_update(model, tok, samples, micro_batch_size=3, loss_agg=agg)
+    params = [p for p in model.parameters() if p.requires_grad]
+    ntok = sum(len(x.completion) for x in samples)
+    game_tokens = Counter()
+    for x in samples:
+        game_tokens[x.traj] += len(x.completion)
+    model.train()
+    model.zero_grad(set_to_none=True)
+    loss = 0.0
+    for x in samples:
+        full = torch.tensor([x.prompt + x.completion])
+        logp = torch.log_softmax(model(input_ids=full).logits[0].float(), dim=-1)
+        lp = sum(logp[len(x.prompt) + k - 1, c] for k, c in enumerate(x.completion))
+        w = 1 / ntok if agg == "token-mean" else 1 / (len(game_tokens) * game_tokens[x.traj])
+        loss = loss - w * x.adv * lp
+    loss.backward()
+    want = torch.cat([p.grad.flatten() for p in params])
+    assert want.abs().max() > 0 and torch.allclose(got, want, atol=1e-5, rtol=1e-4)
+    # at ratio 1 the loss is -Σ w A: token-mean (2 - 0.5 + 6 + 0 - 4 + 2.1 - 4) / 17;
+    # seq-mean-token-mean -(1/4)((2 - 0.5) / 3 + 6 / 3 + (0 - 4 + 2.1) / 9 + -4 / 2)
+    want_loss = (-(2 - 0.5 + 6 + 0 - 4 + 2.1 - 4) / 17 if agg == "token-mean"
+                 else -((2 - 0.5) / 3 + 6 / 3 + (0 - 4 + 2.1) / 9 - 4 / 2) / 4)
+    assert stats["policy_loss"] == pytest.approx(want_loss, abs=1e-5)
+
+
+def test_loss_agg_and_clip_high_reach_the_update(random_llama_dir):
+    """--loss-agg: auto is token-mean for delta and seq-mean-token-mean for starpo, and an explicit
+    value wins; --clip-high: with every ratio e^0.5 = 1.65 above the range and A = 1, the token-mean
+    loss is -(1 + ε_high) exactly."""
+    model, tok, samples = _update_batch(random_llama_dir)
+    token = _grad_of_update(model, tok, samples, micro_batch_size=64, loss_agg="token-mean")[1]
+    seq = _grad_of_update(model, tok, samples, micro_batch_size=64, loss_agg="seq-mean-token-mean")[1]
+    assert token["policy_loss"] != pytest.approx(seq["policy_loss"], abs=1e-3)
+    auto_delta = _grad_of_update(model, tok, samples, micro_batch_size=64)[1]
+    auto_starpo = _grad_of_update(model, tok, samples, micro_batch_size=64, reward_mode="starpo")[1]
+    assert auto_delta["policy_loss"] == pytest.approx(token["policy_loss"], abs=1e-6)
+    assert auto_starpo["policy_loss"] == pytest.approx(seq["policy_loss"], abs=1e-6)
+    old = db.token_logprobs(model, tok, samples, 64)
+    for clip_high in (0.28, 0.5):
+        for x, o in zip(samples, old):
+            x.old, x.adv = o - 0.5, 1.0
+        args = db.Args(num_minibatches=1, temperature=1.0, micro_batch_size=64, clip_high=clip_high,
+                       loss_agg="token-mean")
+        stats = db.update(model, tok, _sgd0(model), samples, args, np.random.default_rng(0))
+        assert stats["policy_loss"] == pytest.approx(-(1 + clip_high), abs=1e-5)
+        assert stats["clip_frac"] == pytest.approx(1.0)
+
+
+def _sgd0(model):
+    import torch
+
+    return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
+
+
+def test_real_model_budget_fits_a_think_then_ask_answer(smollm2_cache):
+    """The "*" row's max_new_tokens holds a think-then-ask answer to the env's own instruction
+    (envs.INSTRUCT_FORMAT) in SmolLM2 tokens, <|im_end|> included; the official 50 cuts the longer."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(smollm2_cache / "smollm2-135m"))
+    answers = [
+        "<think>No questions yet. Start broad.</think><action>Is it an animal?</action>",
+        "<think>It is an animal but not a mammal. Birds are a big group, so check flying next."
+        "</think><action>Can it fly?</action>",
+        "<think>So far: it is an animal, it is a mammal, it is not a pet and it lives on a farm. Farm "
+        "mammals include cows, pigs, horses, sheep and goats. Horns would split these roughly in half."
+        "</think><action>Does it have horns?</action>",
+        "<think>Known facts: man-made, used in the kitchen, not electronic, made of metal, small enough "
+        "to hold in one hand. Candidates are a knife, a fork, a spoon or a pan. A knife is the only sharp "
+        "one, so asking about sharpness halves the set, and if the answer is yes I can guess next turn."
+        "</think><action>Is it sharp?</action>",
+    ]
+    counts = [len(tok(a, add_special_tokens=False)["input_ids"]) + 1 for a in answers]
+    assert counts == [24, 36, 64, 87]
+    assert max(counts) <= db.DEFAULTS["*"]["max_new_tokens"] and max(counts) > 50
+    args, *_ = db.make_env(db.Args(model_name="smollm2-135m-instruct"))
+    assert args.max_new_tokens == db.DEFAULTS["*"]["max_new_tokens"]
+
+
+def test_real_model_row_is_faithful_to_the_paper_per_mode():
+    """A "*" model: 3 minibatches (official), lr 3e-5 for ΔBelief and 1e-5 for StarPO (paper Table 5,
+    official script); the tiny and SmolLM2 rows keep one rate for both modes; a given lr wins."""
+    for model, delta, starpo in (("Qwen/Qwen3-1.7B", 3e-5, 1e-5), ("tiny", 5e-4, 5e-4),
+                                 ("smollm2-135m", 1e-4, 1e-4)):
+        assert db.make_env(db.Args(model_name=model))[0].learning_rate == delta
+        assert db.make_env(db.Args(model_name=model, reward_mode="starpo"))[0].learning_rate == starpo
+    args, *_ = db.make_env(db.Args(model_name="Qwen/Qwen3-1.7B", reward_mode="starpo"))
+    assert args.num_minibatches == 3 and args.max_new_tokens == 128
+    args, *_ = db.make_env(db.Args(model_name="Qwen/Qwen3-1.7B", reward_mode="starpo",
+                                   learning_rate=2e-5))
+    assert args.learning_rate == 2e-5
