@@ -23,9 +23,10 @@ The answerer (`parse_question` + `TwentyQuestionsEnv._step`) reads a question as
    "bigger than a car" is a size question and not a guess of "car", and "washing machine" is a word
    and not the keyword "machine". A few unsupported properties (wild, dangerous, expensive, ...)
    make the question Invalid rather than being answered wrongly.
-4. Answer. Two or more different words named: **Invalid** (one guess per question). One word
-   named: **Finished** if it is the secret (the game ends, reward 1), else **No** (a wrong guess;
-   the word is recorded as guessed). No word named: exactly one attribute must be matched (else
+4. Answer. One word named: **Finished** if it is the secret (the game ends, reward 1), else
+   **No** (a wrong guess; the word is recorded as guessed). Several words named ("Is it a cat or a
+   dog?"): a guess of each, as App. B.1 of the ΔBelief-RL paper counts a question that includes the
+   secret: **Finished** if one is the secret, else **No** (every word recorded as guessed). No word named: exactly one attribute must be matched (else
    **Invalid**: nothing understood, or several properties at once such as "Is it a mammal that can
    fly?"), and the answer is **Yes** or **No** from the table.
 5. **Repeated**: the same normalised question text as an earlier valid question. Asking the same
@@ -48,8 +49,9 @@ word is left or no attribute splits the rest (words with identical attributes; f
 Prompt. The user message is the task line, the numbered list of questions and answers so far (all
 of them with the default `history=None`; the last `history` ones otherwise; `numbered=False` writes
 each as one "<question> <answer>" line, without the number and the Q:/A: markers), the list of still
-possible words once at most `show_candidates` are left (0 turns it off; the secret vocabulary is
-otherwise never shown), and the turn counter.
+possible words once at most `show_candidates` are left (default 0: never; the set of secrets stays
+unknown to the questioner, as in the paper's §4; the tiny recipe passes 5), and the turn counter.
+The system prompts name the kinds of secret, never the secrets.
 
 Compound secrets (`secrets="compound"`; `envs/data/twenty_questions_compound.json`). The secret is a thing
 of some colour, "<colour> <thing>" ("red cat"): one of 16 things (animals, vehicles, furniture, household
@@ -59,7 +61,7 @@ rainbow?", "Is it a dark colour?", ...), each true for the items the file lists.
 combinations (thing i, colour j) with (i - j) % 5 == 0: 52 secrets, every thing and every colour in 3-4
 of them and in 12-13 train secrets, so a test secret is an unseen combination of parts that the train
 secrets all show. The same rules as the word game, except step 4: a question that names a colour and a
-thing is a guess ("Is it a red cat?", "Is it an orange plane?"; any article); naming a thing alone or a
+thing is a guess (several things or colours: Invalid, since the pairs are ambiguous) ("Is it a red cat?", "Is it an orange plane?"; any article); naming a thing alone or a
 colour alone asks about that part ("Is it a cat?", "Is it red?": the identity attributes "thing=cat",
 "colour=red", answered Yes or No and kept as facts; with a feature as well, "Is it a red animal?", or two
 things or two colours: Invalid). The expert
@@ -275,6 +277,7 @@ class Parsed(NamedTuple):
     positive: bool = True
     word: Optional[str] = None
     reason: str = ""
+    words: tuple = ()  # every word a guess names (the word game: one or several)
 
 
 def normalize_question(text: str) -> str:
@@ -436,10 +439,9 @@ def parse_question(text: str) -> Parsed:
     if invalid is not None:
         return invalid
     attrs, named, blocked = match_phrases(body, load_table().patterns)
-    if len(named) > 1:
-        return Parsed("invalid", reason="several guesses")
-    if named:
-        return Parsed("guess", word=named.pop())
+    if named:  # one guess, or a guess of each named word (App. B.1)
+        words = tuple(sorted(named, key=load_table().words.index))
+        return Parsed("guess", word=words[0], words=words)
     if blocked:
         return Parsed("invalid", reason="unsupported property")
     if not attrs:
@@ -588,10 +590,10 @@ def parse_compound_question(text) -> Parsed:
     return Parsed("attribute", attr=attr, positive=positive)
 
 
-_ANSWERS_RULE = (
-    "The answerer replies Yes, No, Finished (you named the secret: you win), Repeated (you already asked this "
-    "question) or Invalid (not a single yes/no question it understands: two questions, a negated question, "
-    "several properties or guesses at once, or a property it does not know). You have at most 20 questions. ")
+def _answers_rule(at_once: str) -> str:
+    return ("The answerer replies Yes, No, Finished (you named the secret: you win), Repeated (you already asked "
+            "this question) or Invalid (not a single yes/no question it understands: two questions, a negated "
+            f"question, {at_once} at once, or a property it does not know). You have at most 20 questions. ")
 
 
 class TwentyQuestionsEnv(QuestionGameEnv):
@@ -609,12 +611,12 @@ class TwentyQuestionsEnv(QuestionGameEnv):
         "object, building or natural thing. Each turn ask exactly one yes/no question about one "
         "property, for example \"Is it an animal?\", \"Is it bigger than a breadbox?\", \"Is it made "
         "of metal?\", \"Can you eat it?\". To guess, ask \"Is it a <word>?\"; a wrong guess counts as "
-        "a question. " + _ANSWERS_RULE + INSTRUCT_FORMAT
+        "a question. " + _answers_rule("several properties") + INSTRUCT_FORMAT
     )
     COMPOUND_TASK_PROMPT = ('Twenty Questions: find the secret thing and its colour with yes/no questions, '
                             'then guess it with "Is it a <colour> <thing>?".')
 
-    def __init__(self, history: Optional[int] = None, show_candidates: int = 5, instructions: bool = True,
+    def __init__(self, history: Optional[int] = None, show_candidates: int = 0, instructions: bool = True,
                  numbered: bool = True, secrets: str = "word"):
         super().__init__(history=history, show_candidates=show_candidates, instructions=instructions,
                          numbered=numbered)
@@ -634,11 +636,12 @@ class TwentyQuestionsEnv(QuestionGameEnv):
             self.task_prompt = self.COMPOUND_TASK_PROMPT
             self.system_prompt = (
                 "You are the questioner in a game of Twenty Questions. The secret is a thing of some colour, such "
-                "as \"a red cat\": one of the things " + ", ".join(self.table.parts["thing"]) + " in one of the "
-                "colours " + ", ".join(self.table.parts["colour"]) + ". Each turn ask exactly one yes/no question "
+                "as \"a red cat\": an animal, a vehicle, a piece of furniture or a household object, in a common "
+                "colour. Each turn ask exactly one yes/no question "
                 "about one property of the thing or of its colour, for example \"Is it an animal?\", \"Can it "
                 "fly?\", \"Is it a warm colour?\", \"Is it a colour of the rainbow?\". To guess, ask \"Is it a "
-                "<colour> <thing>?\"; a wrong guess counts as a question. " + _ANSWERS_RULE + INSTRUCT_FORMAT)
+                "<colour> <thing>?\"; a wrong guess counts as a question. " + _answers_rule("several properties or "
+                                                                              "guesses") + INSTRUCT_FORMAT)
         else:
             raise ValueError(f"secrets must be 'word' or 'compound', got {secrets!r}")
         self.secrets = secrets
@@ -674,10 +677,10 @@ class TwentyQuestionsEnv(QuestionGameEnv):
             info["reason"] = parsed.reason
         elif parsed.kind == "guess":
             self.asked.add(key)
-            info["guess"] = parsed.word
-            if parsed.word not in self.guessed:
-                self.guessed.append(parsed.word)
-            if parsed.word == self.target:
+            words = parsed.words or (parsed.word,)
+            info["guess"] = self.target if self.target in words else parsed.word
+            self.guessed += [w for w in words if w not in self.guessed]
+            if self.target in words:
                 answer = FINISHED
                 self.solved = True
                 info["success"] = True

@@ -15,7 +15,7 @@ import pytest
 import envs
 from conftest import random_policy_wins
 from envs.twenty_questions import (ATTRIBUTES_FILE, WORDS_FILE, TwentyQuestionsEnv, guess_question,
-                                   load_table, normalize_question, parse_question)
+                                   Parsed, load_table, normalize_question, parse_question)
 
 
 @pytest.fixture
@@ -172,7 +172,7 @@ def test_wrong_guess_is_no_and_counts(env):
     ("What is it?", "not a yes/no question"), ("How big is it?", "not a yes/no question"),
     ("Is it red? Is it big?", "more than one question"), ("Is it an animal and does it fly?", "more than one question"),
     ("Is it an animal? I think so.", "not a single question"), ("Is it not alive?", "negated question"),
-    ("Isn't it an animal?", "negated question"), ("Is it a cat or a dog?", "several guesses"),
+    ("Isn't it an animal?", "negated question"),
     ("Is it an animal or a plant?", "several properties"), ("Is it a mammal that can fly?", "several properties"),
     ("Is it a wild animal?", "unsupported property"), ("Is it bigger than a cat?", "unsupported property"),
     ("Is it happy?", "nothing understood"), ("Est-ce un chat ?", "nothing understood"),
@@ -315,8 +315,36 @@ def test_corrupt_action_is_admissible(env):
 # ----------------------------------------------------------------------------------------------
 # Prompt
 # ----------------------------------------------------------------------------------------------
-def test_messages_list_all_questions_and_few_candidates():
+def test_several_words_named_are_a_guess_of_each():
+    """App. B.1 of the ΔBelief-RL paper counts a question that includes the secret as finished: naming
+    the secret among other words wins; naming several wrong words is No, each recorded as guessed."""
     env = envs.make("twenty_questions")
+    assert parse_question("Is it a cat or a dog?") == Parsed("guess", word="dog", words=("dog", "cat"))
+    env.reset("cat")
+    step = env.step("Is it a cat or a dog?")
+    assert step.observation == "Finished" and step.done and step.info["success"] and not step.info["invalid"]
+    assert step.info["guess"] == "cat" and env.turn == 1
+    env.reset("horse")
+    step = env.step("Is it a dog, a cat or a rabbit?")
+    assert step.observation == "No" and not step.done and not step.info["invalid"]
+    assert env.state_key() == frozenset({("guess", "dog"), ("guess", "cat"), ("guess", "rabbit")})
+    assert not {"dog", "cat", "rabbit"} & set(env.candidates()) and "horse" in env.candidates()
+    assert env.step("Is it a cat or a dog?").observation == "No"  # another text: answered again
+
+
+def test_system_prompt_and_default_prompt_never_list_the_secrets():
+    """The paper (§4) keeps the set of possible secrets unknown to the questioner: the default env
+    shows no candidate list, however few are left (the tiny recipe passes show_candidates=5)."""
+    env = envs.make("twenty_questions")
+    play(env, "cat", ["Is it an animal?", "Is it a mammal?", "Is it kept as a pet?", "Does it bark?"])
+    assert len(env.candidates()) <= 5 and "Possible" not in env.messages()[1]["content"]
+    system = env.messages()[0]["content"]
+    assert not any(f" {w} " in system or f" {w}," in system or f" {w}?" in system
+                   for w in ("cat", "dog", "rabbit", "hamster", "apple", "hammer"))
+
+
+def test_messages_list_all_questions_and_few_candidates():
+    env = envs.make("twenty_questions", show_candidates=5)
     env.reset("cat")
     user = env.messages()[1]["content"]
     assert "Twenty Questions" in user and "No questions asked yet." in user and "Question 1 of 20:" in user
@@ -333,7 +361,7 @@ def test_messages_list_all_questions_and_few_candidates():
     user = short.messages()[1]["content"]
     assert "1. Q:" not in user and "3. Q: Is it kept as a pet? A: Yes" in user and "4. Q: Does it bark?" in user
     assert "Possible words" not in user and "2 earlier questions not shown" in user
-    plain = envs.make("twenty_questions", instructions=False, numbered=False)
+    plain = envs.make("twenty_questions", instructions=False, numbered=False, show_candidates=5)
     play(plain, "cat", ["Is it an animal?", "Is it a mammal?", "Is it kept as a pet?", "Does it bark?", "Is it happy?"])
     assert plain.messages()[1]["content"] == (
         "Is it an animal? Yes\nIs it a mammal? Yes\nIs it kept as a pet? Yes\nDoes it bark? No\nIs it happy? Invalid\n"
@@ -345,7 +373,7 @@ def test_messages_list_all_questions_and_few_candidates():
 def test_prompt_after_a_game_lost_at_the_limit_keeps_the_format():
     """The last belief of a lost game is elicited on this prompt: the counter stays at 20 of 20 and the
     candidate list is still shown, as in the turns that were played."""
-    env = envs.make("twenty_questions")
+    env = envs.make("twenty_questions", show_candidates=5)
     env.max_turns = 6
     play(env, "cat", ["Is it an animal?", "Is it a mammal?", "Is it kept as a pet?", "Does it bark?", "Is it happy?",
                       "Is it a rabbit?"])

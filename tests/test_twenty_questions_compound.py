@@ -289,7 +289,8 @@ def test_corrupt_action_is_admissible(env):
 # Prompt
 # ----------------------------------------------------------------------------------------------
 def test_prompt_of_the_tiny_recipe_and_the_candidate_list():
-    env = envs.make("twenty_questions", secrets="compound", instructions=False, numbered=False)
+    env = envs.make("twenty_questions", secrets="compound", instructions=False, numbered=False,
+                    show_candidates=5)  # the tiny recipe's options
     play(env, "orange frog", ["Is it an animal?", "Is it a frog?", "Is it a warm colour?"])
     assert env.messages()[1]["content"] == (
         "Is it an animal? Yes\nIs it a frog? Yes\nIs it a warm colour? Yes\nQuestion 4 of 20:")
@@ -297,7 +298,14 @@ def test_prompt_of_the_tiny_recipe_and_the_candidate_list():
     assert env.messages()[1]["content"].splitlines()[-2:] == [
         "Possible secrets: red frog, orange frog, yellow frog.", "Question 5 of 20:"]
     sys_prompt = env.messages()[0]["content"]
-    assert "cat, dog, horse" in sys_prompt and "red, orange, yellow" in sys_prompt
+    # the kinds of thing, never the 16 things or the 16 colours (the paper, §4: the set of secrets is
+    # unknown to the questioner)
+    assert "an animal, a vehicle, a piece of furniture" in sys_prompt
+    assert not any(f" {w}," in sys_prompt or f" {w}." in sys_prompt
+                   for w in ("dog", "horse", "shark", "bicycle", "orange", "purple", "maroon", "navy"))
+    hidden = envs.make("twenty_questions", secrets="compound")  # the default: no candidate list
+    play(hidden, "orange frog", ["Is it a frog?", "Is it a warm colour?", "Is it a colour of the rainbow?"])
+    assert len(hidden.candidates()) <= 5 and "Possible" not in hidden.messages()[1]["content"]
     quiet = envs.make("twenty_questions", secrets="compound", instructions=False, numbered=False, show_candidates=0)
     play(quiet, "orange frog", ["Is it a frog?", "Is it a warm colour?", "Is it a colour of the rainbow?"])
     assert "Possible" not in quiet.messages()[1]["content"]
