@@ -2,30 +2,17 @@
 
 Paper: "Agentic Reinforcement Learning with Implicit Step Rewards" (Liu et al., Tongyi Lab, 2025),
 https://arxiv.org/abs/2509.19199 ; official code: https://github.com/Tongyi-ConvAI/Tongyi-Character
-(directory CharacterRL-iStar/).
+(directory CharacterRL-iStar/). Method: docs/istar.md; deviations: docs/istar.md, "Deviations".
 
-Method (docs/istar.md). An implicit process reward model (PRM) π_φ, a second LoRA adapter ("prm")
-on the policy's base model, trains alongside the policy π_θ. Each iteration: roll out N
-trajectories per task and record π_θold's log-probs; score every step r_φ = β Σ_tokens (log π_φ -
-log π_θold) (Eq. 1); update the PRM with trajectory-level DPO on success/failure pairs of a task
-(Eq. 2); A = A_E + α A_S, episode-level plus step-level advantage (Eq. 3-5); clipped surrogate, no
-KL (Eq. 6). `--alpha 0` is the vanilla RLOO or GRPO baseline (the PRM neither scores nor trains).
-
-Equations -> functions (section 2; the kernel `istar_turn_advantages` takes plain per-turn arrays)
-- Eq. 1  r_φ(o_1:t, a_t) = β Σ_tok log π_φ(a_t|.) / π_θold(a_t|.)
-                          -> `implicit_turn_rewards` (per turn), `implicit_step_rewards` (batched)
-- Eq. 2  J_PRM = -E log σ(S(τ+) - S(τ-)), S = mean (or sum) of r_φ    -> `trajectory_dpo_loss`
-         (scores and pairs)                          -> `trajectory_scores`, `preference_pairs`
-- official `istar_norm: batch_norm` (r / max |r| of the batch)     -> `normalize_step_rewards`
-- Eq. 3  A_E(τ_i) = (r_o(τ_i) - mean R_o) / std R_o   (GRPO) or RLOO   -> `istar_advantages`
-- Eq. 4  A_S(a_t^i) = (r_φ(a_t^i) - mean R_s) / std R_s, R_s = ∪_{i,t}  -> `istar_advantages`
-- Eq. 5  A = A_E + α A_S                             -> `istar_advantages`, `istar_turn_advantages`
+A second LoRA adapter ("prm") on the policy's base model is the implicit PRM π_φ. Each iteration:
+roll out N trajectories per task; the PRM scores every step and takes its DPO step (`prm_update`,
+Alg. 1); A = A_E + α A_S; clipped surrogate, no KL. `--alpha 0`: the vanilla RLOO or GRPO baseline.
+Equations -> functions (section 2; the kernel `istar_turn_advantages` takes plain per-turn arrays):
+- Eq. 1  r_φ = β Σ_tok log π_φ / π_θold     -> `implicit_turn_rewards`, `implicit_step_rewards`
+- Eq. 2  J_PRM = -E log σ(S(τ+) - S(τ-))    -> `trajectory_dpo_loss` (`trajectory_scores`, pairs)
+- Eq. 3-5  A_E (RLOO or GRPO), A_S over R_s = ∪_{i,t}, A = A_E + α A_S -> `istar_advantages`
+  (official `istar_norm: batch_norm`, r / max |r| of the batch: `normalize_step_rewards`)
 - Eq. 6  clipped surrogate on the step-level ratio, step-mean, no KL   -> `policy_loss`
-The PRM's scoring and DPO step (Alg. 1), which give the kernel its log-ratios: `prm_update`.
-
-`python istar.py` runs iStar on RLOO with the tiny Sokoban policy, LoRA, on a CPU: 40 iterations of
-4 tasks x 8 trajectories (the paper: full fine-tuning of 7B models, 200 steps of 32 x 8).
-Deviations from the paper and the official code: docs/istar.md, "Deviations".
 
     python istar.py                                   # iStar on RLOO, tiny policy, Sokoban, CPU
     python istar.py --alpha 0                         # vanilla RLOO baseline
@@ -69,7 +56,6 @@ class Args:
     checkpoint_every: Optional[int] = None  # checkpoint each N iterations (0: end); None: DEFAULTS
     resume: Optional[str] = None  # a run dir to continue from its checkpoint.pt and config.json
     torch_threads: int = 0  # CPU threads for torch (0: leave torch's default)
-
     # model
     model_name: str = "tiny"  # 'tiny' (the env's tiny policy), 'smollm2-135m', a hub id or a dir
     tiny_preset: str = "default"  # tiny policy size: 'default' or 'micro' (for tests)
@@ -77,15 +63,11 @@ class Args:
     lora_r: int = 16  # LoRA rank of the policy and of the PRM adapter
     lora_alpha: int = 32  # LoRA alpha of the policy and of the PRM adapter
     lora_dropout: float = 0.0  # LoRA dropout
-    activation_checkpointing: Optional[bool] = None
-    """recompute activations in the backward (GPU memory); None: on for real models on CUDA"""
-    static_cache: bool = False
-    """static KV cache in generate (batches padded to a power of two); transformers compiles it
-    on CUDA, but not for 4-bit weights (docs/gpu.md)"""
+    activation_checkpointing: Optional[bool] = None  # backward recomputes (None: real model, CUDA)
+    static_cache: bool = False  # static KV cache in generate, compiled on CUDA (docs/gpu.md)
     max_new_tokens: Optional[int] = None  # most tokens per turn (paper: 512); None: DEFAULTS
     temperature: float = 1.0  # sampling temperature of the rollouts (paper: 1.0)
     eval_temperature: float = 1.0  # sampled evaluation's temperature (paper: 0.4; greedy too)
-
     # environment
     env_id: Optional[str] = None  # training and evaluation env; None: DEFAULTS
     history: Optional[int] = None  # (action, observation) pairs shown; None: the policy's or env's
@@ -95,14 +77,12 @@ class Args:
     eval_num_tasks: Optional[int] = None  # test tasks per evaluation (0: all); None: DEFAULTS
     eval_every: Optional[int] = None  # evaluate every N iterations, first and last; None: DEFAULTS
     num_logged_episodes: int = 4  # decoded episodes per evaluation written to samples.jsonl
-
     # algorithm
     num_iterations: Optional[int] = None  # iterations (paper: 200); None: DEFAULTS
     tasks_per_iteration: Optional[int] = None  # (paper: 32 Sokoban, 16 WebShop); None: DEFAULTS
     group_size: Optional[int] = None  # N: trajectories per task (paper: 8); None: DEFAULTS
     learning_rate: Optional[float] = None  # policy lr (paper: 5e-7, full fine-tune); None: DEFAULTS
-    prm_learning_rate: Optional[float] = None
-    """PRM lr (paper: 1e-6); None: DEFAULTS, else 2x the policy's (the paper's ratio)"""
+    prm_learning_rate: Optional[float] = None  # (paper: 1e-6); None: DEFAULTS, else 2x the policy's
     weight_decay: float = 0.01  # AdamW weight decay of the policy (official: 0.01, verl's)
     prm_weight_decay: float = 0.0  # AdamW weight decay of the PRM (official: 0)
     max_grad_norm: float = 1.0  # gradient clipping of the policy (verl default)
@@ -113,13 +93,11 @@ class Args:
     alpha: float = 1.0  # α, weight of the step-level advantage (paper: 1; 0: RLOO/GRPO baseline)
     estimator: Literal["rloo", "grpo"] = "rloo"  # of both levels (paper, Sokoban/WebShop: RLOO)
     step_reward_granularity: Literal["step", "token"] = "step"  # iStar or Table 3's ablation
-    step_reward_norm: Literal["batch_max_abs", "none"] = "batch_max_abs"
-    """step rewards / their largest |value| in the batch (official istar_norm: batch_norm)"""
+    step_reward_norm: Literal["batch_max_abs", "none"] = "batch_max_abs"  # r / max |r| (official)
     dpo_reduce: Literal["mean", "sum"] = "mean"  # trajectory score: mean (official) or sum (Eq. 2)
     prm_updates_per_iteration: int = 1  # PRM steps per iteration (official: 1; more did not help)
     prm_replay: Optional[int] = None  # iterations the PRM replays (official: 0); None: DEFAULTS
-    positive_threshold: Optional[float] = None
-    """DPO positive: r_o > this; None: success, or POSITIVE_THRESHOLD_BY_ENV"""
+    positive_threshold: Optional[float] = None  # DPO positive: r_o > this; None: success or by env
     invalid_penalty: float = 0.1  # subtracted from the outcome per invalid action (paper: 0.1)
     clip_eps: float = 0.2  # ε of the clipped importance ratio (paper: 0.2)
     dual_clip: float = 3.0  # dual-clip c for negative advantages (verl default; 0 disables)
@@ -127,12 +105,9 @@ class Args:
     adv_eps: float = 1e-6  # ε in (x - mean) / (std + ε)
 
 
-# Every option left at None, by model (`with_defaults`): "tiny", the tiny policy on a CPU
-# (Sokoban's 200 test tasks: SE <= 0.035) with the cheapest PRM setting that learns (lr 8x the
-# policy's, replay of 4 iterations: docs/istar.md, "Deviations"); "smollm2-135m", SmolLM2 with its
-# WebShop adapter, under an hour on 2 CPU cores (docs/smollm2.md); "*", any other model: the
-# official PRM settings (no replay), 8 turns a forward (64 long prompts need >16 GB on a CPU). A
-# tiny or shipped policy brings its own token budget (common/models.py).
+# Every option left at None, by model (`with_defaults`): "tiny", the tiny policy on a CPU, with the
+# cheapest PRM setting that learns (docs/istar.md, "Deviations"); "smollm2-135m", SmolLM2 with its
+# WebShop adapter (docs/smollm2.md); "*", any other model: the official PRM settings (no replay).
 DEFAULTS = {
     "tiny": dict(env_id="sokoban", num_iterations=40, tasks_per_iteration=4, group_size=8,
                  learning_rate=5e-4, prm_learning_rate=4e-3, prm_replay=4, micro_batch_size=64,
@@ -340,13 +315,12 @@ class Episode:
 
 def rollout(model, tok, new_env, task_ids, group_ids, temperature, max_new_tokens, greedy=False,
             noise_keys=None, progress=None):
-    """One episode per task id (policy adapter), all envs stepped together, one batched generate a
-    turn. With `noise_keys` (evaluation) turn t samples with `CommonNoise` of (*key, t)."""
+    """One episode per task id (policy adapter), one batched generate a turn; with `noise_keys`
+    (evaluation) turn t samples with `CommonNoise` of (*key, t)."""
     envs_, episodes = [], []
     for i, (task, g) in enumerate(zip(task_ids, group_ids)):
-        env = new_env()
-        env.reset(task)
-        envs_.append(env)
+        envs_.append(new_env())
+        envs_[-1].reset(task)
         episodes.append(Episode(traj_id=i, group_id=int(g), task_id=str(task)))
     model.set_adapter("default")
     model.eval()
@@ -368,14 +342,14 @@ def rollout(model, tok, new_env, task_ids, group_ids, temperature, max_new_token
             ep.env_return += float(step.reward)
             if step.done:
                 ep.success = bool(step.info.get("success", False))
-        if progress is not None:  # episodes finished this turn
+        if progress is not None:
             progress.update(sum(envs_[i].done for i in active))
     return episodes
 
 
 def trajectory_outcomes(episodes, invalid_penalty, threshold=None):
-    """Per trajectory: r_o = env return - invalid_penalty * invalid actions (float64), whether it is
-    a DPO positive (threshold None: it succeeded; else r_o > threshold) and its group."""
+    """Per trajectory: r_o = return - invalid_penalty * invalid actions, whether it is a DPO
+    positive (threshold None: it succeeded; else r_o > threshold), its group."""
     outcomes = torch.tensor([ep.env_return - invalid_penalty * sum(ep.invalid) for ep in episodes],
                             dtype=torch.float64)
     positive = (outcomes > threshold if threshold is not None
@@ -384,19 +358,16 @@ def trajectory_outcomes(episodes, invalid_penalty, threshold=None):
 
 
 def compute_advantages(episodes, args, signal=None):
-    """Episodes in, one Sample per turn out with its advantage (section 2's kernel), credit stats.
-    `signal`: per turn, the PRM's token log-ratios log π_φ - log π_θold; None: --alpha 0, A = A_E.
-    --step-reward-granularity token (Table 3): one kernel row and one advantage per token."""
+    """One Sample per turn with its advantage (the kernel), credit stats; `signal`: the PRM's
+    per-turn log-ratios (None: A = A_E). Token granularity (Table 3): one row per token."""
     outcomes, positive, _ = trajectory_outcomes(episodes, args.invalid_penalty,
                                                 args.positive_threshold)
     turns = [(i, ep, t) for i, ep in enumerate(episodes) for t in range(ep.length)]
     log_ratios = signal if signal is not None else [torch.zeros(0)] * len(turns)
     token_level = args.step_reward_granularity == "token" and signal is not None
     rows = [len(ep.completions[t]) if token_level else 1 for _, ep, t in turns]  # kernel rows
-
     def per_row(values):
         return [v for v, n in zip(values, rows) for _ in range(n)]
-
     adv = istar_turn_advantages(
         group=per_row([ep.group_id for _, ep, _ in turns]),
         traj=per_row([ep.traj_id for _, ep, _ in turns]),
@@ -422,15 +393,14 @@ def compute_advantages(episodes, args, signal=None):
 # The PRM's step first: it scores every step (the signal of Eq. 1) and trains on the batch's
 # pairs (Eq. 2). Then the log-probs both adapters use, π_θold's, the policy's loss and update.
 def prm_log_ratios(model, tok, samples, args):
-    """Per sample, its token log-ratios log π_φ - log π_θold under the PRM as it is now, no
-    gradient: the signal of Eq. 1."""
+    """Per sample, its token log-ratios log π_φ - log π_θold under the PRM as it is, no gradient."""
     prm_lp = token_logprobs(model, tok, samples, "prm", args.micro_batch_size, args.temperature)
     return [p - x.old for p, x in zip(prm_lp, samples)]
 
 
 def paired_batch(samples, traj_success, traj_group):
-    """The PRM's training data of one iteration: the steps of the trajectories that are in a pair,
-    renumbered 0..n-1 in order, with those trajectories' success and group."""
+    """The PRM's data of one iteration: the steps of the trajectories in a pair, renumbered 0..n-1
+    in order, with those trajectories' success and group."""
     in_pair = traj_in_pair(traj_success, traj_group)
     keep = [i for i in range(len(traj_success)) if bool(in_pair[i])]
     new_id = {old: new for new, old in enumerate(keep)}
@@ -441,8 +411,8 @@ def paired_batch(samples, traj_success, traj_group):
 
 
 def merge_batches(batches):
-    """Paired batches of several iterations as one, each batch's trajectory and group ids offset
-    past the batches before it, so no pair crosses iterations."""
+    """Paired batches of several iterations as one, trajectory and group ids offset past the
+    batches before, so no pair crosses iterations."""
     samples, succ, grp, n_traj, n_grp = [], [], [], 0, 0
     for b in batches:
         samples += [dataclasses.replace(x, traj=x.traj + n_traj) for x in b["samples"]]
@@ -456,11 +426,8 @@ def merge_batches(batches):
 
 
 def prm_update(model, tok, optimizer, samples, traj_success, traj_group, args, replay=()):
-    """The PRM's step (Alg. 1): score every step under the PRM as it is (Eq. 1: the log-ratios that
-    feed the advantages), then `--prm-updates-per-iteration` steps on the trajectory-DPO loss
-    (Eq. 2) of this batch's pairs and `replay`'s (earlier iterations'), each in two passes:
-    g_s = dL/dr_s without graph, then a re-forward backpropagating Σ_s g_s r_s (one micro-batch of
-    activations at a time). Returns (log-ratios, step rewards, stats, `paired_batch`)."""
+    """The PRM's step (Alg. 1): score every step (Eq. 1), then DPO steps (Eq. 2) on this batch's and
+    `replay`'s pairs. Returns (log-ratios, step rewards, stats, `paired_batch`)."""
     device = next(model.parameters()).device
     log_ratios = prm_log_ratios(model, tok, samples, args)
     step_rewards = implicit_turn_rewards(log_ratios, args.beta)  # Eq. 1
@@ -478,7 +445,7 @@ def prm_update(model, tok, optimizer, samples, traj_success, traj_group, args, r
         return log_ratios, step_rewards, stats, mine
     train_index = torch.tensor([x.traj for x in train], dtype=torch.long)
     train_rewards = step_rewards[paired]
-    order = sorted(range(len(train)), key=lambda i: seq_len(train[i]))  # little padding
+    order = sorted(range(len(train)), key=lambda i: seq_len(train[i]))
     for k in range(args.prm_updates_per_iteration):
         if k > 0:  # dL/dr with the PRM as it is now
             train_rewards = implicit_turn_rewards(prm_log_ratios(model, tok, train, args),
@@ -486,6 +453,7 @@ def prm_update(model, tok, optimizer, samples, traj_success, traj_group, args, r
         elif replay:  # this batch's steps are scored; the earlier ones' under the PRM as it is now
             earlier = prm_log_ratios(model, tok, train[len(paired):], args)
             train_rewards = torch.cat([train_rewards, implicit_turn_rewards(earlier, args.beta)])
+        # two passes: g_s = dL/dr_s without graph, then backpropagate Σ_s g_s r_s per micro-batch
         leaf = train_rewards.detach().double().requires_grad_(True)
         (grad,) = torch.autograd.grad(trajectory_dpo_loss(
             leaf, train_index, batch["success"], batch["group"], args.dpo_reduce), leaf)
@@ -509,12 +477,12 @@ def prm_update(model, tok, optimizer, samples, traj_success, traj_group, args, r
 
 @torch.no_grad()
 def token_logprobs(model, tok, samples, adapter, micro_batch_size, temperature=1.0):
-    """Per-sample token log-prob vectors under one adapter ("default": the policy, "prm": the PRM),
-    eval mode, no gradient, length-sorted micro-batches (both adapters' passes batch alike)."""
+    """Per-sample token log-probs under one adapter ("default" or "prm"), no gradient, in
+    length-sorted micro-batches (both adapters' passes batch alike)."""
     model.set_adapter(adapter)
     model.eval()
     out = [None] * len(samples)
-    order = sorted(range(len(samples)), key=lambda i: seq_len(samples[i]))  # little padding
+    order = sorted(range(len(samples)), key=lambda i: seq_len(samples[i]))
     with merged_lora(model):  # as when sampling: one matmul per layer
         for s in range(0, len(order), micro_batch_size):
             chunk = [samples[i] for i in order[s:s + micro_batch_size]]
@@ -526,10 +494,8 @@ def token_logprobs(model, tok, samples, adapter, micro_batch_size, temperature=1
 
 
 def old_logprob_turns(model, tok, episodes, args):
-    """One Sample per turn with π_θold's token log-probs in `old` (the PRM's reference, Eq. 1, and
-    Eq. 6's old policy), recomputed in the PRM's batching rather than kept from sampling: log π_φ
-    - log π_θold is then exactly 0 where the PRM equals the policy (iteration 1); a sampling-time
-    log-prob differs in the last bits, which --step-reward-norm's division would make ±1."""
+    """One Sample per turn with π_θold's log-probs in `old`, recomputed in the PRM's batching: log
+    π_φ - log π_θold is then exactly 0 while the PRM equals the policy (sampling's differ)."""
     turns = [Sample(ep.prompts[t], ep.completions[t], ep.group_id, ep.traj_id, t)
              for ep in episodes for t in range(ep.length)]
     old = token_logprobs(model, tok, turns, "default", args.micro_batch_size, args.temperature)
@@ -539,9 +505,8 @@ def old_logprob_turns(model, tok, episodes, args):
 
 
 def policy_loss(logp, old_logp, adv, weights, clip_eps, dual_clip, step_mask=None):
-    """Clipped surrogate (Eq. 6) with dual clip: loss = Σ weights * max(-r A, -clip(r) A), for A < 0
-    at most -c A. With `step_mask` ([B, C] completion mask) the ratio is the step's (GSPO), s =
-    exp(mean over the step's tokens of (logp - old)), as s * π_t / sg(π_t) on every token."""
+    """Clipped surrogate (Eq. 6), dual clip: Σ weights * max(-r A, -clip(r) A), at most -c A if A <
+    0; with `step_mask` the ratio is the step's, exp(mean of logp - old), as s * π_t / sg(π_t)."""
     if step_mask is not None:
         n = step_mask.sum(-1, keepdim=True).clamp(min=1.0)
         log_s = ((logp - old_logp) * step_mask).sum(-1, keepdim=True) / n
@@ -553,20 +518,19 @@ def policy_loss(logp, old_logp, adv, weights, clip_eps, dual_clip, step_mask=Non
     loss_tok = torch.maximum(l1, l2)
     if dual_clip and dual_clip > 1.0:
         loss_tok = torch.where(adv < 0, torch.minimum(loss_tok, -adv * dual_clip), loss_tok)
-    clipped = (l2 > l1).float()
-    return (loss_tok * weights).sum(), clipped, ratio
+    return (loss_tok * weights).sum(), (l2 > l1).float(), ratio
 
 
 def update(model, tok, optimizer, samples, args, rng):
-    """`--num-minibatches` policy steps over the turns (with `old` and `adv`): step-level ratio and
-    step-mean (`--ratio-level step`, Eq. 6) or per-token ratios and token-mean (`token`)."""
+    """`--num-minibatches` policy steps: step-level ratio and step-mean (`--ratio-level step`,
+    Eq. 6) or per-token ratios and token-mean (`token`)."""
     device = next(model.parameters()).device
     model.set_adapter("default")
     model.train()
     params = [p for group in optimizer.param_groups for p in group["params"]]
     stats = {k: [] for k in ("policy_loss", "approx_kl", "clip_frac", "grad_norm")}
-    order = rng.permutation(len(samples))
-    for minibatch_idx in np.array_split(order, max(1, args.num_minibatches)):
+    for minibatch_idx in np.array_split(rng.permutation(len(samples)),
+                                        max(1, args.num_minibatches)):
         # length-sorted: a sum over micro-batches, so only the padding changes, not the gradient
         minibatch = sorted((samples[i] for i in minibatch_idx), key=seq_len)
         if not minibatch:
@@ -579,18 +543,12 @@ def update(model, tok, optimizer, samples, args, rng):
             lp, m = completion_logprobs(model, tok, [x.prompt for x in chunk],
                                         [x.completion for x in chunk], temperature=args.temperature)
             old = _padded(chunk, "old", lp.shape[1], device)
-            if torch.is_tensor(chunk[0].adv):  # token-level ablation: one advantage per token
-                adv = _padded(chunk, "adv", lp.shape[1], device)
-            else:  # the turn's advantage on each of its tokens
-                adv = m * torch.tensor([float(x.adv) for x in chunk], device=device)[:, None]
-            if args.ratio_level == "step":
-                # every step weighs 1 / (steps in the minibatch), spread over its tokens
-                w = m / (m.sum(-1, keepdim=True).clamp(min=1.0) * len(minibatch))
-                loss, clipped, _ = policy_loss(lp, old, adv, w, args.clip_eps, args.dual_clip,
-                                               step_mask=m)
-            else:  # token-mean over the minibatch, whatever the micro-batching
-                loss, clipped, _ = policy_loss(lp, old, adv, m / ntok, args.clip_eps,
-                                               args.dual_clip)
+            adv = (_padded(chunk, "adv", lp.shape[1], device) if torch.is_tensor(chunk[0].adv)
+                   else m * torch.tensor([float(x.adv) for x in chunk], device=device)[:, None])
+            step = args.ratio_level == "step"  # each step weighs 1 / steps, over its tokens
+            w = m / (m.sum(-1, keepdim=True).clamp(min=1.0) * len(minibatch)) if step else m / ntok
+            loss, clipped, _ = policy_loss(lp, old, adv, w, args.clip_eps, args.dual_clip,
+                                           step_mask=m if step else None)
             loss.backward()
             acc["policy_loss"] += float(loss.detach())
             with torch.no_grad():
@@ -609,8 +567,8 @@ def update(model, tok, optimizer, samples, args, rng):
 # 5. Evaluation
 # ----------------------------------------------------------------------------------------------
 def evaluate(model, tok, new_env, tasks, args):
-    """Sampled (at --eval-temperature, with common random numbers keyed by (seed, episode), so
-    `write_summary` pairs the first and last evaluation) and greedy episodes on the test tasks."""
+    """Sampled episodes (common random numbers keyed by (seed, episode): `write_summary` pairs the
+    first and last evaluation) and greedy ones on the test tasks."""
     with tqdm(total=2 * len(tasks), desc="evaluation", unit="episode", leave=False,
               dynamic_ncols=True) as bar:
         episodes = rollout(model, tok, new_env, tasks, [0] * len(tasks), args.eval_temperature,
@@ -662,8 +620,8 @@ def adapter_params(model, adapter):
 
 
 def make_env(args):
-    """`args` with every default set (DEFAULTS; the PRM's lr 2x the policy's where no row sets it;
-    POSITIVE_THRESHOLD_BY_ENV) and checked, the env factory, one probe instance, the env options."""
+    """`args` with every default set (DEFAULTS, the PRM's lr 2x the policy's, the env's threshold)
+    and checked, the env factory, one probe instance, the env options."""
     import envs
     from common.models import UserError, policy_prompt_options
 
@@ -673,9 +631,6 @@ def make_env(args):
     args = dataclasses.replace(args, **{k: v for k, v in by_rule.items()
                                         if getattr(args, k) is None})
     check_args(args)
-    if args.env_id not in envs.available():
-        raise UserError(f"env {args.env_id!r} is not available in this checkout; available env "
-                        f"ids: {', '.join(envs.available()) or 'none'}")
     # a tiny policy was trained on prompts rendered with its recipe's env options: use the same ones
     kw = dict(policy_prompt_options(args.model_name, args.env_id, args.tiny_preset).env_kwargs)
     if args.history is not None:
@@ -701,9 +656,10 @@ def make_env(args):
 
 def check_args(args):
     """User errors in the resolved arguments -> UserError, one line that says what to do."""
+    import envs
     from common.models import UserError
 
-    rules = [
+    for ok, message in [
         (args.group_size >= 2,
          "--group-size must be >= 2 (advantages compare the trajectories of a task)"),
         (min(args.tasks_per_iteration, args.micro_batch_size, args.max_new_tokens) >= 1,
@@ -715,8 +671,8 @@ def check_args(args):
          "--prm-updates-per-iteration must be >= 1 (--alpha 0 turns the PRM off)"),
         (args.prm_replay >= 0, "--prm-replay must be >= 0"),
         (args.prm_learning_rate > 0, "--prm-learning-rate must be > 0"),
-    ]
-    for ok, message in rules:
+        (args.env_id in envs.available(), f"env {args.env_id!r} is not available in this "
+         f"checkout; available env ids: {', '.join(envs.available()) or 'none'}")]:
         if not ok:
             raise UserError(message)
 
@@ -733,7 +689,6 @@ def main(args: Args):
     args, new_env, probe, env_kwargs = make_env(args)
     train_tasks = list(probe.task_ids("train"))
     test_tasks = list(probe.task_ids("test"))[: args.eval_num_tasks or None]  # 0: all of them
-
     lora = dict(lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout)
     model, tok = load_policy(args.model_name, env_id=args.env_id, tiny_preset=args.tiny_preset,
                              load_in_4bit=args.load_in_4bit, **lora, static_cache=args.static_cache,
@@ -765,7 +720,6 @@ def main(args: Args):
     else:
         first_eval = last_eval = run_eval(0)
         logger.log(0, first_eval)
-
     bar = tqdm(range(start + 1, args.num_iterations + 1), desc="istar", dynamic_ncols=True)
     for it in bar:
         t0 = time.time()
