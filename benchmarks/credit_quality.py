@@ -697,15 +697,13 @@ def epo_batch(cfg: Config, env_id: str = "negotiation", argv: Sequence[str] = ()
     games_n = cfg.tasks * cfg.group
     args = tyro.cli(ep_mod.Args, args=["--env-id", env_id, "--seed", str(cfg.seed),
                                        "--episodes-per-iteration", str(games_n), *argv])
-    args = ep_mod.run_size(args)  # the run-size options the flags leave at None
     rng = ep_mod.seed_everything(cfg.seed)
-    new_env, probe, defaults, _ = ep_mod.make_env(args)
-    args = ep_mod.resolve_args(args, defaults)
-    ep_mod.check_args(args)
+    args, new_env, probe, _ = ep_mod.make_env(args)  # every default set (DEFAULTS), checked
+    policy = ep_mod.strategist_policy(args)
     import envs
 
     two_player = env_id in envs.TWO_PLAYER
-    if not (two_player and (defaults.is_tiny or defaults.sft) and args.agent == "rule"):
+    if not (two_player and (policy.is_tiny or policy.sft) and args.agent == "rule"):
         raise ValueError("epo_batch measures a tiny or SFT strategist with the rule agent in a two-player game")
     if args.train_opponent == "self":  # a real model's preset trains in self-chat; A* needs scripted styles
         args = dataclasses.replace(args, train_opponent="rule:any")

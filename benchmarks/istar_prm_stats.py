@@ -112,7 +112,7 @@ def run_env(config):
     import istar
 
     names = {f.name for f in dataclasses.fields(istar.Args)}
-    return istar.make_env(istar.Args(**{k: v for k, v in config.items() if k in names}))[0]
+    return istar.make_env(istar.Args(**{k: v for k, v in config.items() if k in names}))[1]
 
 
 def _progress(env, info=None):
