@@ -32,8 +32,6 @@ differs from the paper's setup (docs/epo.md, "Deviations"), one line each:
 
 Example
     python epo.py                       # tiny Negotiation, rule agent, rule PRM, CPU
-    python epo.py --prm none            # outcome only
-    python epo.py --weights ones        # uniform turn weights (every turn 1)
     python epo.py --model-name smollm2-135m   # SmolLM2 + its strategist adapter (DEFAULTS)
     python epo.py --model-name Qwen/Qwen2.5-1.5B-Instruct --agent base --prm llm
 """
@@ -81,16 +79,11 @@ class Args:
     lora_r: int = 16  # LoRA rank
     lora_alpha: int = 32  # LoRA alpha
     lora_dropout: float = 0.0  # LoRA dropout
-    activation_checkpointing: Optional[bool] = None
-    """recompute activations in the backward (GPU memory); None: on for real models on CUDA"""
-    static_cache: bool = False
-    """static KV cache in generate (batches padded to a power of two); transformers compiles it
-    on CUDA, but not for 4-bit weights (docs/gpu.md)"""
+    activation_checkpointing: Optional[bool] = None  # None: on for real models on CUDA
+    static_cache: bool = False  # static KV cache in generate (batches padded to 2^k; docs/gpu.md)
     max_new_tokens: Optional[int] = None  # most tokens per strategy; None: policy's or DEFAULTS
     temperature: float = 0.7  # strategist's sampling temperature in training (official: 0.7)
-    score_temperature: float = 1.0
-    """temperature of the log-probs the loss trains (official: 1, `logits.log_softmax(-1)`; the
-    tiny strategist's committed runs: 0.7, docs/epo.md)"""
+    score_temperature: float = 1.0  # the trained log-probs' temperature (official: 1; docs/epo.md)
     eval_temperature: float = 0.7  # sampled evaluation's temperature (greedy is evaluated too)
 
     # environment
@@ -120,19 +113,17 @@ class Args:
     prm: Literal["rule", "llm", "none"] = "rule"  # rule: top-k progress gains; llm: paper's prompt
     prm_top_k: int = 2  # rule PRM: at most this many critical turns per trajectory
     prm_min_gain: float = 1e-6  # rule PRM: a turn is critical only if its progress gain > this
-    prm_min_final: Optional[float] = None
-    """rule PRM: no critical turn in a game ending below this progress; None: DEFAULTS"""
+    prm_min_final: Optional[float] = None  # rule PRM: none critical below this end; None: DEFAULTS
     prm_temperature: float = 0.7  # LLM PRM sampling temperature (official: 0.7)
     prm_max_new_tokens: Optional[int] = None  # LLM PRM answer length; None: DEFAULTS
     weights: Literal["epo", "ones"] = "epo"  # PRM + outcome returns, or 1 on every turn (uniform)
     return_norm: Optional[Literal["trajectory", "batch"]] = None  # G/max|G| (official: trajectory)
 
 
-# Every option left at None, by model (`with_defaults`, then `make_env`): "tiny", the tiny
-# strategist as measured (docs/epo.md), its game aids (TINY_GAME_AIDS) only in a two-player game;
-# "smollm2-135m", SmolLM2 with its strategist adapter, under an hour on 2 CPU cores
-# (docs/smollm2.md); "*", any other model, the paper's self-chat with a LoRA learning rate. A tiny
-# or shipped strategist brings its own strategy budget (common/models.py).
+# Every option left at None, by model (`with_defaults`, then `make_env`): "tiny" (docs/epo.md; its
+# game aids TINY_GAME_AIDS only in a two-player game), "smollm2-135m" (docs/smollm2.md), "*" any
+# other model: the paper's self-chat with a LoRA learning rate. A tiny or shipped strategist brings
+# its own strategy budget (common/models.py).
 DEFAULTS = {
     "tiny": dict(env_id="negotiation", num_iterations=40, episodes_per_iteration=64,
                  eval_num_tasks=0, eval_every=10, checkpoint_every=5, learning_rate=5e-4,
@@ -363,10 +354,8 @@ def training_games(new_env, tasks, players, styles, args, rng):
 
 def rollout(model, tok, games, args, temperature, greedy=False, first_traj_id=0, real=False,
             noise_keys=None, desc=None):
-    """Play the games (`envs.Seated`, reset) to the end: each round a batched strategist
-    `generate`, then the agents' moves (rule, or a batched `generate`, adapter off); with
-    `noise_keys` seat p's t-th strategy (agent move) uses `CommonNoise` of (*key, p, t, 0) (1);
-    `desc`: a progress bar over the strategy turns."""
+    """Play the reset games to the end: batched strategies, then the agents' moves (rule, or the
+    base model); with `noise_keys` seat p's t-th strategy (move) uses noise (*key, p, t, 0) (1)."""
     episodes = {}
     for g, game in enumerate(games):
         for p in [p for p in game.players if game.seats[p] == "policy"]:
@@ -577,21 +566,15 @@ def llm_prm(model, tok, episodes, args, players):
 
 
 def epo_loss(token_logps, mask, turn_weights):
-    """EPO's weighted log-likelihood of one trajectory's T strategy turns.
-
-        L = -(1/T) Σ_t A_t · (Σ_i m_{t,i} log π(a_{t,i}) / Σ_i m_{t,i})
-
-    token_logps, mask: [T, L] (mask 1 on a turn's strategy tokens); turn_weights: [T] (the A_t).
-    A turn without tokens counts as mean 0. Returns a scalar tensor (differentiable in token_logps).
-    """
+    """L = -(1/T) Σ_t A_t (Σ_i m_{t,i} log π(a_{t,i}) / Σ_i m_{t,i}) over one trajectory's T turns;
+    token_logps, mask: [T, L]; turn_weights: [T]; a turn without tokens counts as mean 0."""
     lp = torch.as_tensor(token_logps)
     m = torch.as_tensor(mask, dtype=lp.dtype, device=lp.device)
     w = torch.as_tensor(turn_weights, dtype=lp.dtype, device=lp.device)
-    T = lp.shape[0]
-    if T == 0:
+    if lp.shape[0] == 0:
         return lp.sum() * 0.0
     turn_mean = (lp * m).sum(-1) / m.sum(-1).clamp(min=1.0)  # token mean within each turn
-    return -(w * turn_mean).sum() / T
+    return -(w * turn_mean).sum() / lp.shape[0]
 
 
 def lr_factor(step, total, warmup_ratio):
@@ -665,13 +648,13 @@ def evaluate(model, tok, new_env, tasks, players, styles, args, real):
                       noise_keys=[(args.seed, 0, i) for i in range(len(specs))],
                       desc="eval (sampled)")
     greedy = rollout(model, tok, games(), args, 0.0, greedy=True, real=real, desc="eval (greedy)")
-    scores, won = [float(ep.score) for ep in sampled], [ep.won for ep in sampled]
-    row = {"eval/goal_score": mean_se(scores)[0], "eval/goal_score_se": mean_se(scores)[1],
-           "eval/goal_score_episodes": scores, "eval/success": mean_se(won)[0],
-           "eval/success_se": mean_se(won)[1],
+    scores = [float(ep.score) for ep in sampled]
+    row = {"eval/goal_score_episodes": scores,
            "eval/deal_rate": float(np.mean([ep.deal for ep in sampled])),
            "eval/goal_score_greedy": float(np.mean([ep.score for ep in greedy])),
            "eval/success_greedy": float(np.mean([ep.won for ep in greedy]))}
+    for key, xs in (("goal_score", scores), ("success", [ep.won for ep in sampled])):
+        row[f"eval/{key}"], row[f"eval/{key}_se"] = mean_se(xs)
     if styles and args.eval_selfplay:  # both roles the strategist; keys (seed, 1, game)
         selfplay = rollout(model, tok, [new_env(task, {p: "policy" for p in players})
                                         for task in tasks], args, args.eval_temperature, real=real,
@@ -740,18 +723,19 @@ def make_env(args):
     styles = probe.opponent_styles() if two_player else []
     opponent = args.train_opponent
     style = opponent.split(":", 1)[1] if opponent.startswith("rule:") else None
-    if args.agent == "rule" and not strategy_moves:
-        raise UserError(f"--agent rule needs an env with a strategy-following rule agent "
-                        f"(negotiation); {args.env_id!r} has none: use --agent base")
-    if opponent != "self" and not two_player:
-        raise UserError("--train-opponent applies to two-player games only")
-    if opponent != "self" and (style is None or (style != "any" and style not in styles)):
-        raise UserError(f"--train-opponent must be 'self', 'rule:any' or 'rule:<style>' with "
-                        f"a style in {', '.join(styles)}; got {opponent!r}")
     bad = [s for s in args.eval_opponents if s not in styles]
-    if bad:
-        raise UserError(f"--eval-opponents: unknown style(s) {bad}; known: "
-                        f"{', '.join(styles) or 'none (single agent)'}")
+    for wrong, message in [
+        (args.agent == "rule" and not strategy_moves, f"--agent rule needs an env with a strategy-"
+         f"following rule agent (negotiation); {args.env_id!r} has none: use --agent base"),
+        (opponent != "self" and not two_player,
+         "--train-opponent applies to two-player games only"),
+        (opponent != "self" and (style is None or (style != "any" and style not in styles)),
+         f"--train-opponent must be 'self', 'rule:any' or 'rule:<style>' with a style in "
+         f"{', '.join(styles)}; got {opponent!r}"),
+        (bad, f"--eval-opponents: unknown style(s) {bad}; known: "
+              f"{', '.join(styles) or 'none (single agent)'}")]:
+        if wrong:
+            raise UserError(message)
 
     def new_env(task, seats):
         return envs.Seated(envs.make(args.env_id, **kw), seats).reset(task)
@@ -763,26 +747,25 @@ def check_args(args):
     """User errors in the resolved arguments -> UserError, one line that says what to do."""
     from common.models import UserError
 
-    if args.num_iterations < 0 or args.episodes_per_iteration < 1 or args.num_epochs < 1:
-        raise UserError("--num-iterations: >= 0; --episodes-per-iteration, --num-epochs: >= 1")
-    if not 0.0 < args.gamma <= 1.0:
-        raise UserError("--gamma must be in (0, 1]")
-    if min(args.micro_batch_size, args.trajectories_per_step) < 1 or args.eval_num_tasks < 0:
-        raise UserError("--micro-batch-size, --trajectories-per-step: >= 1; --eval-num-tasks: >= 0")
-    if not 0.0 <= args.prm_min_final <= 1.0:
-        raise UserError("--prm-min-final must be in [0, 1] (the env's progress scale)")
-    if not args.score_temperature > 0:
-        raise UserError("--score-temperature must be > 0 (official: 1)")
+    for bad, message in [
+        (args.num_iterations < 0 or args.episodes_per_iteration < 1 or args.num_epochs < 1,
+         "--num-iterations: >= 0; --episodes-per-iteration, --num-epochs: >= 1"),
+        (not 0.0 < args.gamma <= 1.0, "--gamma must be in (0, 1]"),
+        (min(args.micro_batch_size, args.trajectories_per_step) < 1 or args.eval_num_tasks < 0,
+         "--micro-batch-size, --trajectories-per-step: >= 1; --eval-num-tasks: >= 0"),
+        (not 0.0 <= args.prm_min_final <= 1.0,
+         "--prm-min-final must be in [0, 1] (the env's progress scale)"),
+        (not args.score_temperature > 0, "--score-temperature must be > 0 (official: 1)")]:
+        if bad:
+            raise UserError(message)
 
 
 def iteration_row(episodes, samples, ustats, cstats, seconds):
-    """One training iteration's metrics: the episodes' charts, the update's losses, the credit's
-    statistics and the timings."""
+    """One training iteration's metrics: charts, losses, credit statistics and timings."""
     turns = max(sum(ep.length for ep in episodes), 1)
-    row = {"charts/goal_score": float(np.mean([ep.score for ep in episodes])),
-           "charts/success": float(np.mean([ep.won for ep in episodes])),
-           "charts/deal_rate": float(np.mean([ep.deal for ep in episodes])),
-           "charts/episode_length": float(np.mean([ep.length for ep in episodes])),
+    row = {**{f"charts/{k}": float(np.mean([getattr(ep, a) for ep in episodes])) for k, a in
+              (("goal_score", "score"), ("success", "won"), ("deal_rate", "deal"),
+               ("episode_length", "length"))},
            "charts/invalid_rate": float(sum(sum(ep.invalid) for ep in episodes) / turns),
            **{f"losses/{k}": v for k, v in ustats.items()}, **cstats,
            **{f"perf/{k}_seconds": v for k, v in seconds.items()},
