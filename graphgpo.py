@@ -69,8 +69,7 @@ class Args:
     output_dir: str = "runs"  # directory under which the run directory is created
     track: bool = False  # also log to TensorBoard (only if tensorboard is installed)
     save_model: bool = True  # save the LoRA adapter to <run>/adapter at checkpoints and at the end
-    checkpoint_every: Optional[int] = None
-    """save the adapter and checkpoint.pt every N iterations (0: at the end; None: DEFAULTS)"""
+    checkpoint_every: Optional[int] = None  # adapter + checkpoint.pt every N (0: end); DEFAULTS
     resume: Optional[str] = None  # a run dir to continue from its checkpoint.pt and config.json
     torch_threads: int = 0  # CPU threads for torch (0: leave torch's default)
 
@@ -81,15 +80,13 @@ class Args:
     lora_r: int = 16  # LoRA rank
     lora_alpha: int = 32  # LoRA alpha
     lora_dropout: float = 0.0  # LoRA dropout
-    activation_checkpointing: Optional[bool] = None
-    """recompute activations in the backward (GPU memory); None: on for real models on CUDA"""
+    activation_checkpointing: Optional[bool] = None  # None: on for real models on CUDA
     static_cache: bool = False
     """static KV cache in generate (batches padded to a power of two); transformers compiles it
     on CUDA, but not for 4-bit weights (docs/gpu.md)"""
     max_new_tokens: Optional[int] = None  # most tokens generated per turn; None: DEFAULTS
     temperature: float = 1.0  # sampling temperature of the rollouts (paper: 1.0)
-    eval_temperature: float = 0.4
-    """temperature of the paper's validation runs (0.4), logged as eval/success_val_temp"""
+    eval_temperature: float = 0.4  # the paper's validation runs: eval/success_val_temp
 
     # environment
     env_id: Optional[str] = None  # needs env.state_key(): sokoban, webshop, ...; None: DEFAULTS
@@ -107,28 +104,22 @@ class Args:
     learning_rate: Optional[float] = None  # AdamW lr; None: DEFAULTS (paper, full FT: 1e-6)
     weight_decay: float = 0.0  # AdamW weight decay
     max_grad_norm: float = 1.0  # gradient clipping norm
-    num_minibatches: int = 2
-    """optimizer steps per iteration (the turns are split into this many minibatches)"""
+    num_minibatches: int = 2  # optimizer steps per iteration (minibatches of the turns)
     micro_batch_size: Optional[int] = None  # turns per forward; None: DEFAULTS
     step_advantage: Literal["graph", "gigpo", "none"] = "graph"
     """step-level term: 'graph' (GraphGPO), 'gigpo' (GiGPO discounted return), 'none' (GRPO)"""
-    state_match: Literal["exact", "fuzzy"] = "exact"
-    """graph nodes: exact state keys, or 'fuzzy' (similarity >= similarity_threshold, App. D.3)"""
-    similarity_threshold: float = 0.95
-    """text similarity at which --state-match fuzzy merges two graph nodes"""
+    state_match: Literal["exact", "fuzzy"] = "exact"  # 'fuzzy': similar states are one (App. D.3)
+    similarity_threshold: float = 0.95  # text similarity at which --state-match fuzzy merges
     omega: Optional[float] = None  # distance discount ω; None: the paper's per env (OMEGA_BY_ENV)
     r_succ: float = 10.0  # reward of a successful episode (paper: 10)
     gamma: float = 0.95  # GiGPO discount of the step returns (paper: 0.95)
-    invalid_penalty: float = 0.1
-    """subtracted from the step reward of an invalid action before normalisation (paper: 0.1)"""
-    step_cost: float = 1.0
-    """unit cost c in Eq. 4, R = r_succ ω^(d(s') + c) (paper: 1; official code: 0)"""
+    invalid_penalty: float = 0.1  # off an invalid action's step reward (paper: 0.1)
+    step_cost: float = 1.0  # c in Eq. 4, R = r_succ ω^(d(s') + c) (paper: 1; official code: 0)
     beta_graph: float = 1.0  # β_G, weight of the step-level advantage (paper: 1)
     beta_episode: float = 1.0  # β_E, weight of the episode-level GRPO advantage (paper: 1)
     clip_eps: float = 0.2  # ε of the clipped ratio (verl's 0.2; the paper gives no value)
     dual_clip: float = 3.0  # dual-clip c for negative advantages (verl default; 0 disables)
-    kl_coef: float = 0.01
-    """β, coefficient of the k3 KL penalty to the reference policy (paper: 0.01; 0 skips it)"""
+    kl_coef: float = 0.01  # β of the k3 KL penalty to the reference policy (paper: 0.01)
     adv_eps: float = 1e-6  # ε in (x - mean) / (std + ε)
 
 
