@@ -386,3 +386,20 @@ def test_bad_flag_is_one_clear_line(tiny_cache):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "error:" in proc.stderr and "omega" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_beta_graph_from_the_command_line_weighs_the_step_term_by_hand():
+    # the kernel's doctest group (omega 0.5), its step term A^G per turn:
+    #   tau0: 1/sqrt3, 1/sqrt2;  tau1: -2/sqrt3, 0;  tau2: 1/sqrt3, -1/sqrt2;  A^E = (2, -1, -1) / sqrt3
+    # --beta-graph 0.5: A = 0.5 A^G + A^E
+    import tyro
+
+    args = tyro.cli(gg.Args, args=["--beta-graph", "0.5", "--omega", "0.5", "--adv-eps", "0"])
+    rows = [(["a", "b", "win"], True), (["a", "c", "c"], False), (["a", "b", "d"], False)]
+    episodes = [gg.Episode(traj_id=m, group_id=0, task_id="0", prompts=[[1]] * 2, completions=[[2]] * 2,
+                           logprobs=[None] * 2, actions=["x"] * 2, invalid=[False] * 2, states=states,
+                           success=won) for m, (states, won) in enumerate(rows)]
+    samples, _ = gg.compute_advantages(episodes, args)
+    s3, s2 = math.sqrt(3), math.sqrt(2)
+    want = [0.5 / s3 + 2 / s3, 0.5 / s2 + 2 / s3, -1 / s3 - 1 / s3, -1 / s3, 0.5 / s3 - 1 / s3, -0.5 / s2 - 1 / s3]
+    np.testing.assert_allclose([x.adv for x in samples], want, atol=1e-12)

@@ -393,7 +393,7 @@ def test_runner_end_to_end_micro(tiny_cache, tmp_path):
     assert rec["train_charts"]["iterations"] == 1 and rec["train_charts"]["first"] == rec["train_charts"]["last"]
     assert 0 <= rec["train_charts"]["first"]["charts/success"] <= 1
     assert rec["config"]["step_advantage"] == "none" and rec["config"]["seed"] == 3
-    assert 0 < rec["wall_seconds"] < 300
+    assert rec["wall_seconds"] > 0  # recorded (how long is the benchmarks' business, not a test's)
     pol = rec["tiny_policy"]
     assert pol["tiny"] and pol["dir"] == f"sokoban__micro__{pol['recipe_hash']}" and len(pol["weights_sha256"]) == 16
     assert rec["machine"]["cpu_count"] == os.cpu_count() and len(rec["machine"]["load_average_start"]) == 3
