@@ -36,7 +36,6 @@ scores it against scripted styles. How that differs from the paper (docs/aria.md
 Example
     python aria.py                                         # tiny Bargaining in self-play, CPU
     python aria.py --env-id twenty_questions --no-aggregate  # Twenty Questions, REINFORCE ablation
-    python aria.py --model-name smollm2-135m               # SmolLM2 + its Bargaining adapter
     python aria.py --model-name meta-llama/Meta-Llama-3-8B-Instruct --env-id negotiation \\
         --embedder sentence-transformers/all-MiniLM-L6-v2 --games-per-iteration 1000
 """
@@ -75,8 +74,7 @@ class Args:
     output_dir: str = "runs"  # directory under which the run directory is created
     track: bool = False  # also log to TensorBoard (only if tensorboard is installed)
     save_model: bool = True  # save the LoRA adapter to <run>/adapter at checkpoints and at the end
-    checkpoint_every: Optional[int] = None
-    """save the adapter and checkpoint.pt every N iterations (0: at the end; None: DEFAULTS)"""
+    checkpoint_every: Optional[int] = None  # save every N its (0: at the end); None: DEFAULTS
     resume: Optional[str] = None  # a run dir to continue from its checkpoint.pt and config.json
     torch_threads: int = 0  # CPU threads for torch (0: leave torch's default)
 
@@ -87,11 +85,8 @@ class Args:
     lora_r: int = 8  # LoRA rank (paper: 8)
     lora_alpha: int = 16  # LoRA alpha (paper: 16)
     lora_dropout: float = 0.0  # LoRA dropout
-    activation_checkpointing: Optional[bool] = None
-    """recompute activations in the backward (GPU memory); None: on for real models on CUDA"""
-    static_cache: bool = False
-    """static KV cache in generate (batches padded to a power of two); transformers compiles it
-    on CUDA, but not for 4-bit weights (docs/gpu.md)"""
+    activation_checkpointing: Optional[bool] = None  # None: on for real models on CUDA
+    static_cache: bool = False  # static KV cache in generate (batches padded to 2^k; docs/gpu.md)
     max_new_tokens: Optional[int] = None  # most tokens generated per turn; None: DEFAULTS
     temperature: float = 1.0  # sampling temperature of the rollouts
     eval_temperature: float = 1.0  # temperature of the sampled evaluation (greedy is evaluated too)
@@ -100,46 +95,36 @@ class Args:
     env_id: Optional[str] = None  # bargaining, negotiation, twenty_questions, ...; None: DEFAULTS
     history: Optional[int] = None  # past turns in the prompt; None: the env's or tiny recipe's
     max_turns: int = 0  # single-agent steps per episode (0: the env's)
-    game_reward: Literal["win", "payoff"] = "payoff"
-    """two-player R: 'payoff' (normalised, as the main metric) or 'win' (the paper's)"""
-    eval_num_tasks: Optional[int] = None
-    """test tasks per evaluation (0: all; Bargaining: 49 x 2 roles x 4 styles); None: DEFAULTS"""
+    game_reward: Literal["win", "payoff"] = "payoff"  # two-player R (paper: 'win')
+    eval_num_tasks: Optional[int] = None  # test tasks per evaluation (0: all); None: DEFAULTS
     eval_k: Optional[int] = None  # sampled games per test task, role and style; None: DEFAULTS
     eval_opponents: tuple[str, ...] = ()  # scripted styles of the evaluation (empty: all)
     eval_every: Optional[int] = None  # evaluate every N iterations, first and last; None: DEFAULTS
     num_logged_episodes: int = 4  # decoded episodes per evaluation written to samples.jsonl
 
     # algorithm
-    aggregate: bool = True
-    """aggregate rewards in the intention space (ARIA); --no-aggregate: REINFORCE on raw returns"""
-    num_iterations: Optional[int] = None
-    """collect-then-train iterations (paper: 3); None: DEFAULTS, else by game (BY_GAME)"""
-    games_per_iteration: Optional[int] = None
-    """games per iteration, by the current policy; None: DEFAULTS, else by game (BY_GAME)"""
+    aggregate: bool = True  # aggregate in the intention space; --no-aggregate: raw returns
+    num_iterations: Optional[int] = None  # iterations (paper: 3); None: DEFAULTS, else BY_GAME
+    games_per_iteration: Optional[int] = None  # games per iteration; None: DEFAULTS, else BY_GAME
     num_epochs: int = 3  # epochs of offline REINFORCE over each iteration's steps (paper: 3)
     batch_size: Optional[int] = None  # steps per optimizer step; None: DEFAULTS, else BY_GAME
     micro_batch_size: Optional[int] = None  # turns per forward; None: DEFAULTS
     learning_rate: Optional[float] = None  # Adam lr; None: DEFAULTS (paper: 2e-5)
     max_grad_norm: float = 1.0  # gradient clipping norm (official: 1.0)
     gamma: float = 0.95  # discount of the outcome over a player's turns (official: 0.95)
-    embedder: str = "hash"
-    """'hash' (hashed words, character 3-grams), 'policy' (the frozen base) or an AutoModel"""
+    embedder: str = "hash"  # 'hash' (words, char 3-grams), 'policy' (frozen base) or an AutoModel
     embed_dim: int = 256  # dimension of the hash embedding
-    linkage: Literal["average", "ward", "complete", "single"] = "average"
-    """HAC linkage (paper App. D: average; official code: ward)"""
+    linkage: Literal["average", "ward", "complete", "single"] = "average"  # official: ward
     max_k: int = 100  # K: most clusters tried (paper: 100; capped by the distinct utterances)
     split_eps: float = 0.01  # ε of the stopping rule (paper: 0.01)
     split_tau: int = 10  # τ, window of the stopping rule (paper: 10)
     fixed_k: int = 0  # use this k instead of the SplitScore choice (0: automatic)
-    observation_labels: Literal["auto", "cluster", "exact"] = "auto"
-    """single-agent observations: 'cluster', 'exact' (by text); auto: by env (OBSERVATION_LABELS)"""
+    observation_labels: Literal["auto", "cluster", "exact"] = "auto"  # OBSERVATION_LABELS
 
 
-# Every option left at None, by model (`with_defaults`): "tiny", the tiny policy on a CPU (lr as
-# measured: 2.5e-4 clears 2 SEs on more tuning seeds than 5e-4, docs/aria.md); "smollm2-135m",
-# SmolLM2 with its Bargaining adapter, under an hour on 2 CPU cores (docs/smollm2.md); "*", any
-# other model, the paper's lr (micro-batches of 8 keep long prompts small). A tiny or shipped
-# policy brings its own token budget (common/models.py).
+# Every option left at None, by model (`with_defaults`): "tiny" (lr 2.5e-4 clears 2 SEs on more
+# tuning seeds than 5e-4, docs/aria.md), "smollm2-135m" (under an hour on 2 CPU cores,
+# docs/smollm2.md), "*" any other model: the paper's lr. A policy may bring its token budget.
 DEFAULTS = {
     "tiny": dict(env_id="bargaining", learning_rate=2.5e-4, micro_batch_size=32, eval_num_tasks=0,
                  eval_k=2, eval_every=2, checkpoint_every=1),
@@ -149,9 +134,8 @@ DEFAULTS = {
     "*": dict(env_id="bargaining", learning_rate=2e-5, max_new_tokens=128, micro_batch_size=8,
               eval_num_tasks=0, eval_k=2, eval_every=2, checkpoint_every=1),
 }
-# What the model's row leaves at None, by game (`make_env`): two-player self-play, 8 iterations of
-# 64 games raise the tiny Bargaining policy's payoff share (docs/aria.md, "Defaults"); single
-# agent, the paper's 3 iterations, 32 games sized for the CPU.
+# What the model's row leaves at None, by game (`make_env`): 8 iterations of 64 self-play games
+# raise the tiny Bargaining payoff share (docs/aria.md, "Defaults"); single agent: the paper's 3.
 BY_GAME = {"two_player": dict(num_iterations=8, games_per_iteration=64, batch_size=32),
            "single_agent": dict(num_iterations=3, games_per_iteration=32, batch_size=16)}
 OBSERVATION_LABELS = {"twenty_questions": "exact"}  # closed-set answers; other envs: "cluster"
@@ -356,10 +340,8 @@ class Episode:
 
 
 def rollout(model, tok, new_env, task_ids, args, temperature, greedy=False, noise_keys=None):
-    """Games of a batch of tasks (`new_env()`: an `envs.Seated`), stepped together, one generate per
-    turn. One policy seat: each turn's action and observation are utterances, R = 1 if solved.
-    Self-play: each message is an utterance and a step of its player, whose R is the win indicator
-    (`--game-reward win`) or the normalised payoff. `noise_keys`: one per game (`CommonNoise`)."""
+    """Games of `new_env()` (`envs.Seated`) stepped together, one generate per turn; R: solved, or
+    in self-play the win (`--game-reward win`) or normalised payoff; `noise_keys`: one per game."""
     from envs import extract_action
 
     games = [new_env().reset(task) for task in task_ids]
@@ -382,8 +364,7 @@ def rollout(model, tok, new_env, task_ids, args, temperature, greedy=False, nois
             ep, player = episodes[i], games[i].current_player if selfplay else "agent"
             step = games[i].step(completion_text(tok, completion, stops))
             ep.steps.append({"player": player, "pos": len(ep.utterances), "prompt": prompt,
-                             "completion": completion,
-                             "invalid": bool(step.info.get("invalid", False))})
+                             "completion": completion, "invalid": bool(step.info.get("invalid"))})
             ep.utterances.append(extract_action(tok.decode(completion, skip_special_tokens=True)))
             ep.kinds.append("action")
             if not selfplay:
@@ -449,51 +430,35 @@ def compute_advantages(episodes, args, signal=None):
 _WORD = re.compile(r"[a-z]+|\d+(?:\.\d+)?|[^\sa-z\d]")
 
 
-def _hash_feature(feature: str, dim: int) -> tuple[int, float]:
-    h = zlib.crc32(feature.encode("utf-8"))
-    return h % dim, (1.0 if (h >> 31) & 1 else -1.0)
-
-
 def hash_embed(texts, dim=256):
     """Text vectors without a model: signed hashing of the words (first half) and the character
     3-grams (second half) of the lower-cased text, each half L2-normalised, then the row."""
     half = max(1, dim // 2)
     out = np.zeros((len(texts), 2 * half), dtype=np.float64)
+
+    def add(i, offset, feature):  # crc32 picks the column and the sign
+        h = zlib.crc32(feature.encode("utf-8"))
+        out[i, offset + h % half] += 1.0 if (h >> 31) & 1 else -1.0
+
     for i, text in enumerate(texts):
         s = " ".join(str(text).lower().split())
         if not s:
             continue  # an empty text: a zero row
         for w in _WORD.findall(s):
-            j, sign = _hash_feature("w:" + w, half)
-            out[i, j] += sign
+            add(i, 0, "w:" + w)
         padded = f"  {s} "
-        for j0 in range(len(padded) - 2):
-            j, sign = _hash_feature("c:" + padded[j0:j0 + 3], half)
-            out[i, half + j] += sign
-        for block in (slice(0, half), slice(half, 2 * half)):
-            n = np.linalg.norm(out[i, block])
+        for j in range(len(padded) - 2):
+            add(i, half, "c:" + padded[j:j + 3])
+        for block in (out[i, :half], out[i, half:]):
+            n = np.linalg.norm(block)
             if n > 0:
-                out[i, block] /= n
+                block /= n
     return _l2_rows(out)
 
 
 def _l2_rows(x):
     n = np.linalg.norm(x, axis=1, keepdims=True)
     return x / np.where(n > 0, n, 1.0)
-
-
-@torch.no_grad()
-def _mean_pool(forward, tok, texts, device, batch_size=64):
-    """Mean of the last hidden states over the real tokens of each text (batched, padded)."""
-    out = []
-    for s in range(0, len(texts), batch_size):
-        chunk = [t if t.strip() else "(empty)" for t in texts[s:s + batch_size]]
-        enc = tok(chunk, padding=True, truncation=True, max_length=256, return_tensors="pt")
-        enc = {k: v.to(device) for k, v in enc.items()}
-        hidden = forward(enc).float()
-        m = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-        out.append(((hidden * m).sum(1) / m.sum(1).clamp(min=1.0)).cpu().numpy())
-    return np.concatenate(out, 0).astype(np.float64) if out else np.zeros((0, 1))
 
 
 class Embedder:
@@ -508,46 +473,48 @@ class Embedder:
             return
         from transformers import AutoModel, AutoTokenizer
 
-        local = Path(name).expanduser().is_dir()
-        hint = "use --embedder hash or a local encoder directory"
+        path, hint = Path(name).expanduser(), "use --embedder hash or a local encoder directory"
+        local = path.is_dir()
         if not local and name.startswith(("/", "./", "../", "~")):
             raise UserError(f"--embedder {name!r}: no such local directory; use --embedder hash, "
                             f"policy, or an encoder checkpoint directory")
-        source = str(Path(name).expanduser()) if local else name
         try:
             if not local:
                 _check_hub_reachable(name)
-            self.enc_tok = AutoTokenizer.from_pretrained(source)
-            self.encoder = AutoModel.from_pretrained(source)
+            source = str(path) if local else name
+            self.tok, self.model = (c.from_pretrained(source) for c in (AutoTokenizer, AutoModel))
         except UserError as e:
             raise UserError(f"--embedder: {e}".replace(HINT, hint)) from None
         except (OSError, ValueError) as e:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise UserError(f"cannot load the encoder {name!r}: {first}; {hint}") from None
-        if self.enc_tok.pad_token is None:
-            self.enc_tok.pad_token = self.enc_tok.eos_token or self.enc_tok.unk_token
-        self.enc_tok.padding_side = "right"
-        self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.encoder.to(self.device).eval()
+        if self.tok.pad_token is None:
+            self.tok.pad_token = self.tok.eos_token or self.tok.unk_token
+        self.model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
 
+    @torch.no_grad()
     def __call__(self, texts):
         texts = [str(t) for t in texts]
         if not texts:
             return np.zeros((0, self.dim))
         if self.name == "hash":
             return hash_embed(texts, self.dim)
-        if self.name != "policy":
-            return _l2_rows(_mean_pool(lambda enc: self.encoder(**enc).last_hidden_state,
-                                       self.enc_tok, texts, self.device))
-        model, side = self.model, self.tok.padding_side
-        self.tok.padding_side = "right"
-        try:
-            with model.disable_adapter():  # the frozen base: training does not move the vectors
-                return _l2_rows(_mean_pool(lambda enc: model(**enc, output_hidden_states=True,
-                                                             logits_to_keep=1).hidden_states[-1],
-                                           self.tok, texts, next(model.parameters()).device))
+        model, tok, side, out = self.model, self.tok, self.tok.padding_side, []
+        policy, device = self.name == "policy", next(self.model.parameters()).device
+        tok.padding_side = "right"
+        try:  # the policy's frozen base (adapter off): training does not move the vectors
+            with model.disable_adapter() if policy else contextlib.nullcontext():
+                for s in range(0, len(texts), 64):  # the mean of the last hidden states
+                    chunk = [t if t.strip() else "(empty)" for t in texts[s:s + 64]]
+                    enc = tok(chunk, padding=True, truncation=True, max_length=256,
+                              return_tensors="pt").to(device)
+                    hidden = (model(**enc, output_hidden_states=True, logits_to_keep=1)
+                              .hidden_states[-1] if policy else model(**enc).last_hidden_state)
+                    m = enc["attention_mask"].unsqueeze(-1).to(torch.float32)
+                    out.append(((hidden.float() * m).sum(1) / m.sum(1).clamp(min=1.0)).cpu())
         finally:
-            self.tok.padding_side = side
+            tok.padding_side = side
+        return _l2_rows(torch.cat(out).numpy().astype(np.float64))
 
 
 def embed_utterances(embedder, episodes, observation_labels):
@@ -558,11 +525,10 @@ def embed_utterances(embedder, episodes, observation_labels):
     clustered = [i for i, kind in enumerate(kinds)
                  if not (kind == "observation" and observation_labels == "exact")]
     distinct = {}
-    which = np.array([distinct.setdefault(texts[i], len(distinct)) for i in clustered],
-                     dtype=np.int64)
+    which = [distinct.setdefault(texts[i], len(distinct)) for i in clustered]
     vectors = embedder(list(distinct))
     rows = np.zeros((len(texts), vectors.shape[1]), dtype=np.float64)
-    rows[clustered] = vectors[which]
+    rows[clustered] = vectors[np.array(which, dtype=np.int64)]
     return rows
 
 
@@ -592,13 +558,11 @@ def update(model, tok, optimizer, samples, args, rng):
             for s in range(0, len(live), args.micro_batch_size):
                 chunk = live[s:s + args.micro_batch_size]
                 lp, _ = completion_logprobs(model, tok, [x.prompt for x in chunk],
-                                            [x.completion for x in chunk],
-                                            temperature=args.temperature)
+                                            [x.completion for x in chunk], args.temperature)
                 seq_logp = lp.sum(-1)  # log π(a|h): the sum over the completion's tokens
-                weights = torch.tensor([x.adv for x in chunk], dtype=seq_logp.dtype,
-                                       device=seq_logp.device)
-                # divided by the whole batch's size: the micro-batches add up to the batch's loss
-                loss = reinforce_loss(seq_logp, weights, len(batch))
+                # over the whole batch's size: the micro-batches add up to the batch's loss
+                loss = reinforce_loss(seq_logp, seq_logp.new_tensor([x.adv for x in chunk]),
+                                      len(batch))
                 loss.backward()
                 batch_loss += float(loss.detach())
             grad_norms.append(float(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)))
@@ -627,9 +591,7 @@ def eval_games(model, tok, new_env, probe, tasks, args, two_player):
     bar = tqdm(total=len(seatings) * (len(tasks_k) + len(tasks)), desc="evaluation games",
                leave=False, dynamic_ncols=True)
     for c, (name, seats) in enumerate(seatings):
-        def make(seats=seats):
-            return new_env(seats)
-
+        make = lambda: new_env(seats)  # noqa: E731
         keys = [(args.seed, c, i) for i in range(len(tasks_k))]  # the same in every evaluation
         sampled = rollout(model, tok, make, tasks_k, args, args.eval_temperature, noise_keys=keys)
         bar.update(len(tasks_k))
@@ -669,7 +631,6 @@ def evaluate(model, tok, new_env, probe, tasks, args, two_player):
 def iteration_row(episodes, samples, ustats, cstats, seconds):
     """One iteration's metrics: the training games, losses, credit statistics, seconds per phase."""
     invalid = [s["invalid"] for ep in episodes for s in ep.steps]
-    tokens = sum(len(x.completion) for x in samples)
     row = {"charts/success": float(np.mean([ep.success for ep in episodes])),
            "charts/return": float(np.mean([ep.env_return for ep in episodes])),
            "charts/outcome": float(np.mean([r for ep in episodes for r in ep.outcome.values()])),
@@ -677,8 +638,8 @@ def iteration_row(episodes, samples, ustats, cstats, seconds):
            "charts/invalid_rate": float(np.mean(invalid)) if invalid else 0.0,
            **{f"losses/{k}": v for k, v in ustats.items()}, **cstats,
            **{f"perf/{k}_seconds": v for k, v in seconds.items()},
-           "perf/tokens_per_second": tokens / max(seconds["rollout"], 1e-9),
-           "perf/samples": len(samples)}
+           "perf/tokens_per_second": sum(len(x.completion) for x in samples)
+           / max(seconds["rollout"], 1e-9), "perf/samples": len(samples)}
     if torch.cuda.is_available():
         row["perf/peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
     return row
@@ -686,15 +647,11 @@ def iteration_row(episodes, samples, ustats, cstats, seconds):
 
 def episode_record(ep, tag, weights=None):
     """A game as a samples.jsonl record; `weights`: {(traj, turn): the turn's training weight}."""
-    turns = []
-    for t, step in enumerate(ep.steps):
-        turn = {"player": step["player"], "action": ep.utterances[step["pos"]],
-                "invalid": step["invalid"]}
-        if ep.kinds[step["pos"] + 1:step["pos"] + 2] == ["observation"]:
-            turn["observation"] = ep.utterances[step["pos"] + 1]
-        if weights is not None:
-            turn["weight"] = round(weights[ep.traj_id, t], 4)
-        turns.append(turn)
+    turns = [{"player": s["player"], "action": ep.utterances[s["pos"]], "invalid": s["invalid"],
+              **({"observation": ep.utterances[s["pos"] + 1]}
+                 if ep.kinds[s["pos"] + 1:s["pos"] + 2] == ["observation"] else {}),
+              **({} if weights is None else {"weight": round(weights[ep.traj_id, t], 4)})}
+             for t, s in enumerate(ep.steps)]
     return {"tag": tag, "task": ep.task_id, "outcome": ep.outcome, "success": ep.success,
             "turns": turns}
 
@@ -704,22 +661,30 @@ def episode_record(ep, tag, weights=None):
 # ----------------------------------------------------------------------------------------------
 def make_env(args):
     """`args` with every default set (DEFAULTS, BY_GAME, OBSERVATION_LABELS) and checked, the env
-    factory `new_env(seats=None)` (an `envs.Seated` game; default: self-play), a bare probe env and
-    the env options (user errors -> UserError)."""
+    factory `new_env(seats=None)` (`envs.Seated`; default: self-play), a bare probe, the options."""
     import envs
     from common.models import UserError, policy_prompt_options
 
     args = with_defaults(args)
-    if args.env_id not in envs.available():
-        raise UserError(f"env {args.env_id!r} is not available in this checkout; available env "
-                        f"ids: {', '.join(envs.available()) or 'none'}")
     two_player = args.env_id in envs.TWO_PLAYER
     game = BY_GAME["two_player" if two_player else "single_agent"]
     args = dataclasses.replace(args, **{k: v for k, v in game.items() if getattr(args, k) is None})
     if args.observation_labels == "auto":
         labels = OBSERVATION_LABELS.get(args.env_id, "cluster")
         args = dataclasses.replace(args, observation_labels=labels)
-    check_args(args)
+    for wrong, message in [
+        (args.env_id not in envs.available(), f"env {args.env_id!r} is not available in this "
+         f"checkout; available env ids: {', '.join(envs.available()) or 'none'}"),
+        (args.num_iterations < 0, "--num-iterations must be >= 0"),
+        (min(args.games_per_iteration, args.num_epochs, args.eval_k) < 1,
+         "--games-per-iteration, --num-epochs and --eval-k must be >= 1"),
+        (not 0.0 < args.gamma <= 1.0, f"--gamma must be in (0, 1], got {args.gamma}"),
+        (args.max_k < 2 or args.split_tau < 0 or args.split_eps <= 0,
+         "--max-k must be >= 2, --split-tau >= 0 and --split-eps > 0"),
+        (min(args.batch_size, args.micro_batch_size) < 1,
+         "--batch-size and --micro-batch-size must be >= 1")]:
+        if wrong:
+            raise UserError(message)
     # a tiny policy was trained on prompts rendered with its recipe's env options: use the same ones
     kw = dict(policy_prompt_options(args.model_name, args.env_id, args.tiny_preset).env_kwargs)
     if args.history is not None:
@@ -746,22 +711,6 @@ def make_env(args):
     return args, new_env, probe, kw
 
 
-def check_args(args):
-    """User errors in the resolved arguments: one UserError line each."""
-    from common.models import UserError
-
-    if args.num_iterations < 0:
-        raise UserError("--num-iterations must be >= 0")
-    if min(args.games_per_iteration, args.num_epochs, args.eval_k) < 1:
-        raise UserError("--games-per-iteration, --num-epochs and --eval-k must be >= 1")
-    if not 0.0 < args.gamma <= 1.0:
-        raise UserError(f"--gamma must be in (0, 1], got {args.gamma}")
-    if args.max_k < 2 or args.split_tau < 0 or args.split_eps <= 0:
-        raise UserError("--max-k must be >= 2, --split-tau >= 0 and --split-eps > 0")
-    if min(args.batch_size, args.micro_batch_size) < 1:
-        raise UserError("--batch-size and --micro-batch-size must be >= 1")
-
-
 def main(args: Args):
     import envs
     from common.models import load_policy
@@ -774,7 +723,6 @@ def main(args: Args):
     rng = seed_everything(args.seed)
     args, new_env, probe, env_kwargs = make_env(args)
     two_player = args.env_id in envs.TWO_PLAYER
-    eval_metric = "eval/payoff_share" if two_player else "eval/success"
     train_tasks = list(probe.task_ids("train"))
     test_tasks = list(probe.task_ids("test"))[: args.eval_num_tasks or None]  # 0: all of them
 
@@ -784,7 +732,8 @@ def main(args: Args):
                              lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                              activation_checkpointing=args.activation_checkpointing,
                              static_cache=args.static_cache)
-    embedder.model, embedder.tok = model, tok  # used by --embedder policy
+    if embedder.name == "policy":  # the policy's frozen base
+        embedder.model, embedder.tok = model, tok
     optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad],
                                  lr=args.learning_rate)
     run_dir, logger = start_run(args, {"env_kwargs": env_kwargs, "two_player": two_player})
@@ -814,13 +763,11 @@ def main(args: Args):
         episodes = rollout(model, tok, new_env, [train_tasks[i] for i in chosen], args,
                            args.temperature)
         seconds = {"rollout": time.time() - t0}
-
         t1 = time.time()
         embeddings = embed_utterances(embedder, episodes, args.observation_labels)
         seconds["embed"] = time.time() - t1
         samples, cstats = compute_advantages(episodes, args, embeddings)
         seconds["credit"] = time.time() - t1  # the embedding and the clustering
-
         t2 = time.time()
         ustats = update(model, tok, optimizer, samples, args, rng)
         seconds["update"] = time.time() - t2
@@ -846,7 +793,8 @@ def main(args: Args):
         logger.log(args.num_iterations, last_eval)
     if args.save_model:
         save_adapter(model, run_dir)
-    return write_summary(run_dir, args, time.time() - t_start, first_eval, last_eval, eval_metric)
+    metric = "eval/payoff_share" if two_player else "eval/success"
+    return write_summary(run_dir, args, time.time() - t_start, first_eval, last_eval, metric)
 
 
 # ----------------------------------------------------------------------------------------------
