@@ -1,9 +1,7 @@
 """ΔBelief-RL: the agent's own belief change as a dense turn-level reward, with turn-wise GRPO.
 
-Paper: "Intrinsic Credit Assignment for Long Horizon Interaction" (ΔBelief-RL; the trained agent is
-CIA), Auzina, Strüber, Hernández-Gutiérrez, Goel, Prabhu, Bethge;
-https://bethgelab.github.io/delta-belief-rl ; official code:
-https://github.com/bethgelab/delta-belief-rl
+Paper: "Intrinsic Credit Assignment for Long Horizon Interaction" (ΔBelief-RL), Auzina et al.;
+https://bethgelab.github.io/delta-belief-rl ; code: https://github.com/bethgelab/delta-belief-rl
 
 Method (docs/delta_belief.md, "Overview"). The questioner of Twenty Questions, rewarded only when it
 names the secret, gets its *own* belief as a dense signal: after every turn t,
@@ -27,9 +25,7 @@ Equations -> functions (section 2; the kernel `delta_belief_advantages` takes pl
 Deviations from the paper and the official code: docs/delta_belief.md, "Deviations".
 
 `python delta_belief.py` trains a LoRA adapter of the tiny Twenty Questions policy on a CPU, 64
-iterations of 8 secrets x 4 games; the paper trains Qwen3 on GPUs, 240 secrets x 16 games a step.
-The answerer is rule-based (the paper's: an LLM); the tiny policy sees the still-possible secrets
-once 5 are left (its recipe's), a real model never sees the set of secrets (the paper's, §4).
+iterations of 8 secrets x 4 games (paper: Qwen3, 240 x 16); the answerer is rule-based.
 
 Example
     python delta_belief.py                                  # tiny policy, CPU, ΔBelief
@@ -72,8 +68,7 @@ class Args:
     output_dir: str = "runs"  # directory under which the run directory is created
     track: bool = False  # also log to TensorBoard (only if tensorboard is installed)
     save_model: bool = True  # save the LoRA adapter to <run>/adapter at checkpoints and at the end
-    checkpoint_every: Optional[int] = None
-    """save the adapter and checkpoint.pt every N iterations (0: at the end; None: DEFAULTS)"""
+    checkpoint_every: Optional[int] = None  # checkpoint every N iterations (0: at the end)
     resume: Optional[str] = None  # a run dir to continue from its checkpoint.pt and config.json
     torch_threads: int = 0  # CPU threads for torch (0: leave torch's default)
 
@@ -84,68 +79,50 @@ class Args:
     lora_r: int = 64  # LoRA rank (paper: 64)
     lora_alpha: int = 64  # LoRA alpha (paper: 64)
     lora_dropout: float = 0.0  # LoRA dropout
-    activation_checkpointing: Optional[bool] = None
-    """recompute activations in the backward (GPU memory); None: on for real models on CUDA"""
-    static_cache: bool = False
-    """static KV cache in generate (batches padded to a power of two); transformers compiles it
-    on CUDA, but not for 4-bit weights (docs/gpu.md)"""
+    activation_checkpointing: Optional[bool] = None  # None: on for real models on CUDA
+    static_cache: bool = False  # static KV cache in generate (docs/gpu.md)
     max_new_tokens: Optional[int] = None  # most tokens per turn; None: the policy's, else DEFAULTS
-    temperature: Optional[float] = None
-    """rollout temperature; None: the policy's (1.0, the paper's; the tiny 20Q policy: 1.5)"""
-    eval_temperature: Optional[float] = None
-    """temperature of the sampled evaluation (greedy is evaluated too); None: --temperature's"""
+    temperature: Optional[float] = None  # rollout temperature; None: the policy's (paper: 1.0)
+    eval_temperature: Optional[float] = None  # sampled evaluation's; None: --temperature's
 
     # environment
     env_id: Optional[str] = None  # needs env.target, the hidden answer; None: DEFAULTS
     history: Optional[int] = None  # past (question, answer) pairs shown; None: the env's
     max_turns: Optional[int] = None  # most questions per game (paper: 20); None: DEFAULTS
-    eval_env_id: str = ""
-    """extra out-of-distribution evaluation env, e.g. guess_my_city ('' : none)"""
-    eval_max_turns: int = 0
-    """question budget at evaluation (0: max_turns; the paper's interaction scaling uses 50)"""
+    eval_env_id: str = ""  # extra out-of-distribution evaluation env, e.g. guess_my_city
+    eval_max_turns: int = 0  # question budget at evaluation (0: max_turns; paper's scaling: 50)
     eval_num_tasks: Optional[int] = None  # test targets per evaluation (0: all); None: DEFAULTS
     eval_k: Optional[int] = None  # sampled games per test target; None: DEFAULTS
     eval_every: Optional[int] = None  # evaluate every N iterations, first and last; None: DEFAULTS
-    eval_best_of_n: int = 0
-    """if > 0: also evaluate ΔBelief best-of-n sampling (Fig. 3) before and after training"""
+    eval_best_of_n: int = 0  # > 0: also evaluate ΔBelief best-of-n (Fig. 3), first and last
     num_logged_episodes: int = 4  # decoded episodes per evaluation written to samples.jsonl
 
     # algorithm
-    reward_mode: Literal["delta", "starpo"] = "delta"
-    """'delta': ΔBelief turn rewards + turn-wise GRPO; 'starpo': trajectory-level GRPO (baseline)"""
+    reward_mode: Literal["delta", "starpo"] = "delta"  # starpo: trajectory GRPO (baseline)
     num_iterations: Optional[int] = None  # training iterations; None: DEFAULTS
     tasks_per_iteration: Optional[int] = None  # secrets (official: 240); None: DEFAULTS
     group_size: Optional[int] = None  # G: games per secret (paper: 16); None: DEFAULTS
-    learning_rate: Optional[float] = None
-    """AdamW lr; None: DEFAULTS (a real model under StarPO: STARPO_LEARNING_RATE)"""
+    learning_rate: Optional[float] = None  # None: DEFAULTS (StarPO, "*": STARPO_LEARNING_RATE)
     adam_betas: tuple[float, float] = (0.9, 0.95)  # AdamW betas (official)
     weight_decay: float = 0.01  # AdamW weight decay (official)
     max_grad_norm: float = 1.0  # gradient clipping norm
-    num_minibatches: Optional[int] = None
-    """optimizer steps per iteration (the turns split into this many); None: DEFAULTS"""
+    num_minibatches: Optional[int] = None  # optimizer steps per iteration; None: DEFAULTS
     micro_batch_size: Optional[int] = None  # turns (and belief prompts) per forward; None: DEFAULTS
-    lam: float = 0.1
-    """λ, weight of the clipped belief gain (paper: 0.1; 0 removes the belief term only)"""
+    lam: float = 0.1  # λ, weight of the clipped belief gain (paper: 0.1)
     win_reward: float = 2.0  # end-of-game reward for naming the secret
     turn_penalty: float = 0.05  # end-of-game penalty per question asked
     invalid_penalty: float = 5.0  # penalty of a turn that is not a valid yes/no question
     repeat_penalty: float = 1.0  # penalty of a turn that repeats an earlier question
-    belief_template: str = "auto"
-    """elicitation message with {target}; auto: "Is it '{target}'?" (a tiny policy: the env's)"""
+    belief_template: str = "auto"  # elicitation message with {target}; auto: "Is it '{target}'?"
     clip_low: float = 0.2  # ε_low of the clipped ratio
     clip_high: float = 0.28  # ε_high of the clipped ratio (DAPO asymmetric clipping)
     dual_clip: float = 3.0  # dual-clip c for negative advantages (verl default; 0 disables)
-    loss_agg: Literal["auto", "token-mean", "seq-mean-token-mean"] = "auto"
-    """auto: token-mean for delta, seq-mean-token-mean (per game) for starpo (official)"""
+    loss_agg: Literal["auto", "token-mean", "seq-mean-token-mean"] = "auto"  # auto: official
     adv_eps: float = 1e-6  # ε in (r - mean) / (std + ε)
 
 
-# Every option left at None, by model (`with_defaults`): "tiny", the tiny policy on a CPU (64
-# iterations; 4 games cover 8 secrets: docs/delta_belief.md); "smollm2-135m", SmolLM2 with its
-# adapter, under an hour on 2 CPU cores, 9 questions (its halving strategy needs about 9:
-# docs/smollm2.md); "*", any other model: the paper's budget per game, the official 3 minibatches
-# and 128 new tokens (a think-then-ask answer to the env's instruction: 24-87 SmolLM2 tokens). A
-# tiny or shipped policy brings its own token budget and temperature (common/models.py).
+# Every option left at None, by model (`with_defaults`; docs/delta_belief.md): "tiny" on a CPU;
+# "smollm2-135m" under an hour on 2 CPU cores (docs/smollm2.md); "*", any other model.
 DEFAULTS = {
     "tiny": dict(env_id="twenty_questions", max_turns=20, num_iterations=64, tasks_per_iteration=8,
                  group_size=4, learning_rate=5e-4, num_minibatches=2, micro_batch_size=64,
@@ -158,8 +135,7 @@ DEFAULTS = {
               group_size=4, learning_rate=3e-5, num_minibatches=3, micro_batch_size=8,
               max_new_tokens=128, eval_num_tasks=0, eval_k=5, eval_every=32, checkpoint_every=50),
 }
-# StarPO on a "*" model: the paper's (Table 5) and the official script's rate for Qwen3-1.7B. The
-# tiny and SmolLM2 rows keep their one measured rate for both modes.
+# StarPO on a "*" model: the paper's (Table 5) rate for Qwen3-1.7B.
 STARPO_LEARNING_RATE = 1e-5
 
 
@@ -378,9 +354,8 @@ def start_games(new_env, task_ids, group_ids, max_turns=None):
 
 def rollout(model, tok, new_env, task_ids, group_ids, args, temperature, belief_message,
             greedy=False, max_turns=None, with_beliefs=True, noise_keys=None, progress=None):
-    """One game per task id, all envs stepped together: one batched generate per turn, then (with
-    beliefs) one batched `elicit_beliefs`: b_0 after reset, b_{t+1} after every turn (NaN after a
-    winning one). `noise_keys` (evaluation): one key per game, turn t samples with (*key, t, 0)."""
+    """One game per task id, stepped together: a batched generate per turn, then b_0, b_{t+1}
+    (NaN after a win) by `elicit_beliefs`. `noise_keys`: turn t of game i samples (*key_i, t, 0)."""
     envs_, episodes = start_games(new_env, task_ids, group_ids, max_turns)
     model.eval()
     stops = stop_ids(model, tok)
@@ -424,9 +399,9 @@ def compute_advantages(episodes, args, signal=None):
                   turn=[t for _, t in turns], success=[ep.success for ep, _ in turns],
                   invalid=[ep.invalid[t] for ep, t in turns],
                   repeated=[ep.repeated[t] for ep, t in turns], log_beliefs=signal,
-                  reward_mode=args.reward_mode, lam=args.lam, win_reward=args.win_reward,
-                  turn_penalty=args.turn_penalty, invalid_penalty=args.invalid_penalty,
-                  repeat_penalty=args.repeat_penalty)
+                  **{k: getattr(args, k) for k in ("reward_mode", "lam", "win_reward",
+                                                   "turn_penalty", "invalid_penalty",
+                                                   "repeat_penalty")})
     adv = delta_belief_advantages(**inputs, eps=args.adv_eps)
     samples = [Sample(ep.prompts[t], ep.completions[t], ep.group_id, ep.traj_id, t, float(a),
                       old=ep.logprobs[t]) for (ep, t), a in zip(turns, adv)]
@@ -444,8 +419,7 @@ def compute_advantages(episodes, args, signal=None):
 # ----------------------------------------------------------------------------------------------
 # 4. Model-side signal, loss and update
 # ----------------------------------------------------------------------------------------------
-# The belief b_t (the kernel's log_beliefs) is a scoring forward pass like the loss's: the log-prob
-# of the secret's tokens in an elicitation message, through `completion_logprobs`.
+# The belief b_t (the kernel's log_beliefs): the log-prob of the secret in an elicitation message.
 def belief_message_for(args, env):
     """--belief-template, or for "auto" the official "Is it '{target}'?"; a tiny policy on an env
     with guesses gets the env's `guess_text` ("Is it a cat?"), the only guess form it has seen."""
@@ -460,9 +434,8 @@ def belief_message_for(args, env):
 
 
 def locate_target(tok, message: str, target: str):
-    """Token ids of the elicitation `message` (tokenised on its own, cut after the target) and a
-    0/1 mask marking the target's tokens: those whose character span overlaps the target, so a BPE
-    merge such as `'cat` still counts (docs/delta_belief.md, "Implementation details" 2)."""
+    """Token ids of `message` (alone, cut after the target) and a 0/1 mask of the tokens whose span
+    overlaps the target, so `'cat` counts (docs/delta_belief.md, "Implementation details" 2)."""
     start = message.rfind(target)  # the last occurrence: the target ends the message
     if not target or start < 0:
         raise ValueError(f"target {target!r} not in elicitation message {message!r}")
@@ -525,11 +498,8 @@ def token_logprobs(model, tok, samples, micro_batch_size, temperature=1.0):
 
 
 def policy_loss(logp, old_logp, adv, weights, clip_low, clip_high, dual_clip):
-    """Clipped policy gradient with asymmetric clip and dual clip; `weights` carry the aggregation.
-
-        ratio = exp(logp - old); l = -min(ratio A, clip(ratio, 1 - ε_low, 1 + ε_high) A)
-        for A < 0: l = min(l, -c A)   (dual clip);   loss = Σ weights * l
-    Returns the loss and the 0/1 mask of the clipped tokens."""
+    """Σ weights * -min(ratio A, clip(ratio, 1 - ε_low, 1 + ε_high) A), for A < 0 at most -c A
+    (dual clip); and the 0/1 mask of the clipped tokens."""
     ratio = torch.exp(logp - old_logp)
     l1 = -adv * ratio
     l2 = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
@@ -575,7 +545,7 @@ def update(model, tok, optimizer, samples, args, rng):
         if not minibatch:
             continue
         ntok = sum(len(x.completion) for x in minibatch)
-        game_tokens = Counter()  # tokens per game in this minibatch (seq-mean-token-mean)
+        game_tokens = Counter()  # tokens per game in this minibatch
         for x in minibatch:
             game_tokens[x.traj] += len(x.completion)
         optimizer.zero_grad(set_to_none=True)
@@ -586,8 +556,7 @@ def update(model, tok, optimizer, samples, args, rng):
                                         [x.completion for x in chunk], temperature=args.temperature)
             old = _padded(chunk, "old", lp.shape[1], device)
             adv = m * torch.tensor([float(x.adv) for x in chunk], device=device)[:, None]
-            # each token's weight in the minibatch loss: token-mean 1 / (its tokens); seq-mean-
-            # token-mean 1 / (games * the game's tokens), the mean over games of their token means
+            # token weights: token-mean 1 / tokens; seq-mean-token-mean 1 / (games * game's tokens)
             w = m * torch.tensor([1.0 / ntok if agg == "token-mean"
                                   else 1.0 / (len(game_tokens) * game_tokens[x.traj])
                                   for x in chunk], device=device)[:, None]
@@ -738,18 +707,20 @@ def check_args(args):
     """User errors in the resolved arguments -> UserError, one line that says what to do."""
     from common.models import UserError
 
-    if args.group_size < 2:
-        raise UserError("--group-size must be >= 2 (advantages compare the games of a secret)")
-    if min(args.tasks_per_iteration, args.micro_batch_size, args.eval_k, args.num_minibatches,
-           args.max_new_tokens) < 1:
-        raise UserError("--tasks-per-iteration, --micro-batch-size, --eval-k, --num-minibatches "
-                        "and --max-new-tokens must be >= 1")
-    if args.num_iterations < 0:
-        raise UserError("--num-iterations must be >= 0")
-    if args.history is not None and args.history < 0:
-        raise UserError(f"--history must be >= 0 (or None), got {args.history}")
-    if args.belief_template != "auto" and "{target}" not in args.belief_template:
-        raise UserError("--belief-template must contain '{target}', e.g. \"Is it '{target}'?\"")
+    rules = [(args.group_size < 2, "--group-size must be >= 2 (advantages compare the games of a "
+              "secret)"),
+             (min(args.tasks_per_iteration, args.micro_batch_size, args.eval_k,
+                  args.num_minibatches, args.max_new_tokens) < 1,
+              "--tasks-per-iteration, --micro-batch-size, --eval-k, --num-minibatches and "
+              "--max-new-tokens must be >= 1"),
+             (args.num_iterations < 0, "--num-iterations must be >= 0"),
+             (args.history is not None and args.history < 0,
+              f"--history must be >= 0 (or None), got {args.history}"),
+             (args.belief_template != "auto" and "{target}" not in args.belief_template,
+              "--belief-template must contain '{target}', e.g. \"Is it '{target}'?\"")]
+    for bad, message in rules:
+        if bad:
+            raise UserError(message)
 
 
 def main(args: Args):
@@ -769,11 +740,9 @@ def main(args: Args):
     if args.eval_env_id and args.eval_env_id != args.env_id:  # out-of-distribution evaluation
         evals["eval/ood_"] = make_ood_env(args, env_kwargs)
 
-    model, tok = load_policy(args.model_name, env_id=args.env_id, tiny_preset=args.tiny_preset,
-                             load_in_4bit=args.load_in_4bit, lora_r=args.lora_r,
-                             lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                             activation_checkpointing=args.activation_checkpointing,
-                             static_cache=args.static_cache)
+    model, tok = load_policy(args.model_name, env_id=args.env_id, **{k: getattr(args, k) for k in (
+        "tiny_preset", "load_in_4bit", "lora_r", "lora_alpha", "lora_dropout",
+        "activation_checkpointing", "static_cache")})
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
                                   lr=args.learning_rate, betas=tuple(args.adam_betas),
                                   weight_decay=args.weight_decay)
