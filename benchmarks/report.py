@@ -172,7 +172,7 @@ SMOLLM2_BASELINES = {"graphgpo": ("graphgpo", "GraphGPO", "grpo", "GRPO", "--ste
                      "delta_belief": ("delta", "ΔBelief-RL", "starpo", "StarPO", "--reward-mode starpo"),
                      "aria": ("aria", "ARIA", "reinforce", "REINFORCE", "--no-aggregate"),
                      "epo": ("epo", "EPO", "prm_none", "outcome only", "--prm none")}
-SMOLLM2_SEEDS = {"istar": tuple(range(4, 11))}  # iStar: the rule fixed in smollm2.md counts seeds 4-11
+SMOLLM2_SEEDS = {"istar": tuple(range(4, 12))}  # iStar: the rule fixed in smollm2.md counts seeds 4-11
 SMOLLM2_TABLES = [
     Table(f"smollm2_{script}", "docs/smollm2.md", script,
           {m: (label_m, SMOLLM2), b: (label_b, f"{SMOLLM2} {flags}")}, method=m, baselines=(b,),
