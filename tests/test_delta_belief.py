@@ -13,7 +13,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from tests.conftest import REPO, assert_adapter_trained, assert_run_outputs, load_benchmark, read_metrics
+from tests.conftest import REPO, assert_adapter_trained, assert_run_outputs, read_metrics
 
 import delta_belief as db
 
@@ -245,8 +245,8 @@ def test_token_logprobs_sorted_micro_batches_keep_each_samples_own_logprobs(micr
 
 
 def test_reading_beliefs_plays_the_same_games(micro_policy):
-    """The evaluation plays its games without beliefs, benchmarks/delta_belief_games.py reads them on the
-    same games: reading a belief samples nothing, so the games played (and every success) are the same."""
+    """Reading a belief samples nothing: the games played with beliefs and without (as the evaluation plays
+    them) are the same, and so is every success."""
     import torch
 
     import envs
@@ -266,31 +266,6 @@ def test_reading_beliefs_plays_the_same_games(micro_policy):
     for a, b in zip(read, unread):
         assert len(a.beliefs) == a.length + 1 and b.beliefs == []  # b_0 .. b_T, or none
         assert all(math.isfinite(x) for x in a.beliefs[:-1]) and (a.success != math.isfinite(a.beliefs[-1]))
-
-
-# ---------------------------------------------------------------------------------------------
-# the evaluation games measured (benchmarks/delta_belief_games.py)
-# ---------------------------------------------------------------------------------------------
-def _game(group, beliefs, invalid, repeated, won):
-    ep = db.Episode(traj_id=0, group_id=group, task_id=str(group), target="cat", beliefs=beliefs, success=won)
-    ep.actions, ep.invalid, ep.repeated = ["q"] * len(invalid), invalid, repeated
-    return ep
-
-
-def test_game_metrics_hand_computed():
-    # secret 0: A won on question 2 (b after it: nan); B lost after 3, its first question invalid, its third
-    # repeated. secret 1: C lost after 1; D lost after 2, its second question invalid and repeated.
-    nan = float("nan")
-    games = [_game(0, [-4.0, -2.0, nan], [False, False], [False, False], True),
-             _game(0, [-4.0, -3.0, -3.5, -1.0], [True, False, False], [False, False, True], False),
-             _game(1, [-6.0, -5.0], [False], [False], False),
-             _game(1, [-6.0, -6.0, -4.0], [False, True], [False, True], False)]
-    m = load_benchmark("delta_belief_games").game_metrics(games, 2, 5)
-    # pass@2: secret 0 won once, secret 1 never -> 0.5; questions (2 + 3 + 1 + 2) / 4 = 2; of the 8 questions
-    # 2 repeated and 2 invalid. b_t: t=0 (-4, -4, -6, -6) -> -5; t=1 (-2, -3, -5, -6) -> -4; t=2 A's nan and C's
-    # end drop out: (-3.5, -4) -> -3.75; t=3 B only -> -1; t=4, 5: no game -> cut
-    assert m == {"pass_at_2": 0.5, "num_questions": 2.0, "repeated_frac": 0.25, "invalid_frac": 0.25,
-                 "belief_curve": [-5.0, -4.0, -3.75, -1.0]}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -348,17 +323,6 @@ def test_end_to_end_out_of_distribution_eval(runs):
     run_dir = runs["ood"].result()
     ev = json.loads((run_dir / "summary.json").read_text())["last_eval"]
     assert 0.0 <= ev["eval/ood_success"] <= 1.0 and 0.0 <= ev["eval/success"] <= 1.0
-
-
-def test_games_measured_in_a_run(method_pool, tmp_path):
-    """benchmarks/delta_belief_games.py: an evaluation-only run (0 iterations) with the out-of-distribution
-    env; every evaluated env gets its game metrics."""
-    run_dir = method_pool("benchmarks/delta_belief_games.py", *E2E["ood"], out=tmp_path / "games").result()
-    ev = json.loads((run_dir / "summary.json").read_text())["last_eval"]
-    for prefix in ("eval/", "eval/ood_"):
-        assert 0.0 <= ev[prefix + "pass_at_2"] <= 1.0 and 1.0 <= ev[prefix + "num_questions"] <= 3.0
-        assert 0.0 <= ev[prefix + "repeated_frac"] <= 1.0 and 0.0 <= ev[prefix + "invalid_frac"] <= 1.0
-        assert ev[prefix + "pass_at_2"] >= ev[prefix + "success"] and ev[prefix + "belief_curve"][0] < 0
 
 
 def test_unknown_eval_env_is_one_clear_line(tiny_cache):
