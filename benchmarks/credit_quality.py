@@ -436,6 +436,21 @@ def _sokoban_reward(success: float, invalid: float, shaped: bool) -> Reward:
     return reward
 
 
+def pair_counts(step_rewards, traj_index, traj_success, traj_group, reduce="mean") -> dict:
+    """iStar's PRM on the (positive, negative) pairs as it scores them now: the accuracy (S(τ+) > S(τ-); a
+    tie is wrong), the mean margin S(τ+) - S(τ-) and the DPO loss; NaN without pairs."""
+    import torch
+    import torch.nn.functional as F
+
+    ist = _import_script("istar")
+    pairs = ist.preference_pairs(traj_success, traj_group)
+    if pairs.shape[0] == 0:
+        return {"acc": math.nan, "margin": math.nan, "loss": math.nan}
+    s = ist.trajectory_scores(torch.as_tensor(step_rewards).double(), traj_index, len(traj_group), reduce)
+    d = s[pairs[:, 0]] - s[pairs[:, 1]]
+    return {"acc": float((d > 0).double().mean()), "margin": float(d.mean()), "loss": float(-F.logsigmoid(d).mean())}
+
+
 def istar_batch(cfg: Config, env_id: str = "sokoban", argv: Sequence[str] = (), warm_batches: int = 4) -> dict:
     """iStar's advantage (istar.py: `old_logprob_turns`, `prm_update`, `compute_advantages`) and RLOO's
     (`--alpha 0`: the same outcome term, no step term) on one batch, and A* of its turns.
@@ -487,8 +502,7 @@ def istar_batch(cfg: Config, env_id: str = "sokoban", argv: Sequence[str] = (), 
     episodes, samples = batch()
     _, succ, grp = ist.trajectory_outcomes(episodes, args.invalid_penalty, threshold)
     log_ratios, step_rewards, pstats, _ = ist.prm_update(model, tok, prm_optimizer, samples, succ, grp, args, replay)
-    held = _import_script("benchmarks.istar_prm_stats").pair_counts(  # the held-out pair accuracy
-        step_rewards, [x.traj for x in samples], succ, grp, args.dpo_reduce)
+    held = pair_counts(step_rewards, [x.traj for x in samples], succ, grp, args.dpo_reduce)  # held-out accuracy
     log_ratios_in = ist.prm_log_ratios(model, tok, samples, args)
     model.set_adapter("default")
 

@@ -18,9 +18,8 @@ One JSON line per run (keys in `RECORD_KEYS`): the command as a user types it (w
 --exp-name, which change no result), seed, variant and its flags; the main metric before and after, the
 change and their standard errors (the `learning` block computed from the run's summary.json), the greedy
 metric, the learning curve, the means of the run's `credit/*` and `perf/*` metrics, the training
-rollouts' `charts/*` over the first and the last quarter of the iterations (`train_charts`), the method's
-end-of-run statistics (`method_stats`: iStar's held-out PRM pair accuracy, benchmarks/istar_prm_stats.py),
-wall seconds, iterations, config.json, the tiny policy (recipe hash and a hash of its weights: one recipe
+rollouts' `charts/*` over the first and the last quarter of the iterations (`train_charts`), wall
+seconds, iterations, config.json, the tiny policy (recipe hash and a hash of its weights: one recipe
 builds different weights on different machines), the machine (CPU, load average at the start and end,
 torch and transformers versions), the git commit, and how many runs shared the machine (`--parallel`).
 
@@ -64,7 +63,7 @@ SCRIPTS = ("graphgpo", "istar", "delta_belief", "aria", "epo")
 RUNNER_FLAGS = ("--seed", "--torch-threads", "--output-dir", "--exp-name")  # the runner sets these
 RECORD_KEYS = ("bench", "script", "variant", "variant_flags", "extra_flags", "command", "seed", "env_id",
                "metric", "before", "before_se", "after", "after_se", "change", "change_se", "fell", "paired",
-               "change_se_quadrature", "greedy", "curve", "credit_means", "perf_means", "train_charts", "method_stats",
+               "change_se_quadrature", "greedy", "curve", "credit_means", "perf_means", "train_charts",
                "wall_seconds", "sittings", "iterations", "config",
                "tiny_policy", "machine", "git", "parallel", "finished_at")
 
@@ -354,15 +353,6 @@ def greedy_block(first: dict, last: dict, metric: str):
     return None
 
 
-def method_stats(run_dir: Path, summary: dict) -> dict:
-    """The method's own end-of-run statistics (iStar: the held-out PRM pair accuracy, measured by
-    benchmarks/istar_prm_stats.py from the run's samples.jsonl; older runs wrote it to summary.json)."""
-    spec = importlib.util.spec_from_file_location("istar_prm_stats", REPO / "benchmarks" / "istar_prm_stats.py")
-    prm = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(prm)
-    return {**{k: v for k, v in summary.items() if k.startswith("prm_")}, **prm.run_stats(run_dir)}
-
-
 def collect(run_dir: Path) -> dict:
     """The measured part of a result line, from a finished run's summary.json, metrics.jsonl, config.json."""
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -380,7 +370,6 @@ def collect(run_dir: Path) -> dict:
             "greedy": greedy_block(summary["first_eval"], summary["last_eval"], metric), "curve": curve,
             "credit_means": numeric_means(rows, "credit/"), "perf_means": numeric_means(rows, "perf/"),
             "train_charts": window_means(rows, "charts/"),
-            "method_stats": method_stats(run_dir, summary),
             "iterations": summary["iterations"], "config": config}
 
 

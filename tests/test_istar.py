@@ -1,5 +1,5 @@
 """iStar: credit functions against hand-computed numbers, the PRM/policy adapter separation, the PRM's
-measurements (benchmarks/istar_prm_stats.py), and the script end to end on the micro tiny policy."""
+pair accuracy (benchmarks/credit_quality.py's `pair_counts`), and the script end to end on the micro tiny policy."""
 
 import dataclasses
 import math
@@ -17,9 +17,7 @@ from istar import (Args, Episode, Sample, implicit_step_rewards, implicit_turn_r
                    traj_in_pair, trajectory_dpo_loss, trajectory_outcomes, trajectory_scores, update)
 
 torch.set_num_threads(1)
-prm_stats = load_benchmark("istar_prm_stats")  # the PRM's measurements, from what the run logs
-pair_counts, pooled_pair_accuracy, heldout_summary = (prm_stats.pair_counts, prm_stats.pooled_pair_accuracy,
-                                                      prm_stats.heldout_summary)
+pair_counts = load_benchmark("credit_quality").pair_counts  # the PRM's pair accuracy, margin and DPO loss
 
 
 def softplus(x):  # -log sigmoid(d) = log(1 + exp(-d)) = softplus(-d)
@@ -121,74 +119,18 @@ def test_trajectory_dpo_loss_mean_vs_sum_hand_computed():
 def test_pair_counts_hand_computed():
     # mean scores: traj 0 0.2, traj 1 0.3, traj 2 -0.1 -> pair (0, 1) d = -0.1 (wrong), (0, 2) d = 0.3 (right)
     st = pair_counts(torch.tensor(STEP_R), TRAJ_IX, SUCC, GROUP, "mean")
-    assert st["groups"] == [0] and st["correct"].tolist() == [1.0] and st["pairs"].tolist() == [2.0]
     assert st["acc"] == pytest.approx(0.5) and st["margin"] == pytest.approx(0.1)
     assert st["loss"] == pytest.approx((softplus(0.1) + softplus(-0.3)) / 2)  # as the DPO loss above
     # sum scores: 0.4, 0.3, -0.4 -> d = 0.1 and 0.8, both right
     st = pair_counts(torch.tensor(STEP_R), TRAJ_IX, SUCC, GROUP, "sum")
-    assert st["acc"] == 1.0 and st["margin"] == pytest.approx(0.45) and st["correct"].tolist() == [2.0]
+    assert st["acc"] == 1.0 and st["margin"] == pytest.approx(0.45)
     # two groups with pairs, a tie counts as wrong: group 4: S = 0.5 vs 0.5 (tie); group 9: 1.0 vs 0.0 and 1.0 vs 2.0
     st = pair_counts(torch.tensor([0.5, 0.5, 1.0, 0.0, 2.0]), [0, 1, 2, 3, 4], [True, False, True, False, False],
                      [4, 4, 9, 9, 9])
-    assert st["groups"] == [4, 9] and st["correct"].tolist() == [0.0, 1.0] and st["pairs"].tolist() == [1.0, 2.0]
     assert st["acc"] == pytest.approx(1 / 3) and st["margin"] == pytest.approx((0.0 + 1.0 - 1.0) / 3)
-    # no pairs: NaN statistics, no groups
+    # no pairs: NaN statistics
     st = pair_counts(torch.tensor([0.1, 0.2]), [0, 1], [True, True], [0, 0])
-    assert st["groups"] == [] and math.isnan(st["acc"]) and math.isnan(st["loss"])
-
-
-def test_pooled_pair_accuracy_hand_computed():
-    # c = [1, 3, 0] right of n = [2, 4, 1]: acc = 4/7; residuals c - acc n = -1/7, 5/7, -4/7, squares sum 42/49 = 6/7;
-    # SE = sqrt(3/2 * 6/7) / 7 = sqrt(9/7) / 7 = 0.1619848
-    acc, se = pooled_pair_accuracy([1, 3, 0], [2, 4, 1])
-    assert acc == pytest.approx(4 / 7) and se == pytest.approx(math.sqrt(9 / 7) / 7) and se == pytest.approx(0.1619848)
-    assert pooled_pair_accuracy([2], [3]) == (pytest.approx(2 / 3), 0.0)  # one group: no SE
-    assert all(math.isnan(v) for v in pooled_pair_accuracy([], []))
-
-
-def test_heldout_summary_pools_the_first_and_last_quarter():
-    # 8 iterations -> quarters of 2: iterations 1-2 and 7-8; iteration 5 is in neither, iteration 3 has no pairs
-    held = [(1, np.array([0.0]), np.array([4.0])), (2, np.array([1.0, 2.0]), np.array([2.0, 2.0])),
-            (3, np.zeros(0), np.zeros(0)), (5, np.array([9.0]), np.array([9.0])),
-            (7, np.array([3.0]), np.array([4.0])), (8, np.array([1.0]), np.array([4.0]))]
-    out = heldout_summary(held, 8)
-    first, last = out["first_quarter"], out["last_quarter"]
-    assert first["iterations"] == [1, 2] and first["pairs"] == 8 and first["groups"] == 3
-    assert first["acc"] == pytest.approx(3 / 8) and last["acc"] == pytest.approx(4 / 8) and last["groups"] == 2
-    assert last["se"] == pytest.approx(0.25)  # residuals 3 - 2 = 1 and 1 - 2 = -1: sqrt(2/1 * 2) / 8
-    assert heldout_summary([], 8)["last_quarter"]["acc"] is None  # no pairs: null in method_stats
-
-
-def test_iteration_stats_of_a_record_by_hand():
-    # the six trajectories above: pairs as in test_pair_counts_hand_computed; positive trajectories 0, 3, 4 have
-    # steps 0.3, 0.1, 0.5, 0.0 (mean 0.225), negative 1, 2, 5 have 0.3, -0.1 x 4, 1.0 (mean 0.15); all ten steps:
-    # mean 1.8 / 10, mean |r| 2.6 / 10
-    st = prm_stats.iteration_stats({"step_reward": STEP_R, "traj": TRAJ_IX, "positive": SUCC, "group": GROUP})
-    assert st["prm/heldout_pair_acc"] == pytest.approx(0.5) and st["prm/heldout_margin"] == pytest.approx(0.1)
-    assert st["credit/step_reward_success_mean"] == pytest.approx(0.225)
-    assert st["credit/step_reward_failure_mean"] == pytest.approx(0.15)
-    assert st["credit/step_reward_mean"] == pytest.approx(0.18) and st["credit/step_reward_abs_mean"] == pytest.approx(0.26)
-    assert "credit/step_reward_progress_corr" not in st  # only with the run's env
-
-
-def test_progress_deltas_replay_the_env_inputs_by_hand():
-    """Each training step's change of env progress, replayed from the record's env inputs ("" for an invalid
-    step, which changes no state); NaN where the env reports none (after reset: the first step)."""
-    class Counter:  # progress = valid moves / 4; any action but "" is a valid move
-        def reset(self, task):
-            self.moves = {"t0": 0, "t1": 2}[task]
-
-        def progress(self):
-            return None
-
-        def step(self, action):
-            self.moves += bool(action)
-            return SimpleNamespace(info={"progress": self.moves / 4})
-
-    rec = {"traj": [0, 0, 0, 1], "action": ["up", "", "left", "up"], "task_id": ["t0", "t1"]}
-    d = prm_stats.progress_deltas(rec, Counter)
-    # t0: 0.25 - NaN, 0.25 - 0.25 (invalid), 0.5 - 0.25; t1: 0.75 - NaN
-    assert len(d) == 4 and math.isnan(d[0]) and d[1:3] == [0.0, 0.25] and math.isnan(d[3])
+    assert math.isnan(st["acc"]) and math.isnan(st["loss"])
 
 
 @pytest.mark.parametrize("succ", [[True] * 4, [False] * 4])
