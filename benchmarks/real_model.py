@@ -39,6 +39,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
+from learning import run_learning  # noqa: E402 - the before -> after of a finished run
 
 
 RESULTS = REPO / "docs" / "results" / "real_model.jsonl"
