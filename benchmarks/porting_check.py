@@ -7,7 +7,7 @@ Each snippet is benchmarks/porting/<method>_<framework>.py (docs/porting.md says
 the part above its `# ---- check` line is what a user copies, the part below runs it on a small
 hand-made batch and prints what it checked, ending with `PASS <method>_<framework>`. This script
 installs the CPU build of torch (the wheel on this machine's disk: plain `torch` would pull CUDA
-builds) and then verl and TRL at the versions below, runs every snippet that exists with the
+builds) and then verl and TRL at the versions below, runs every snippet with the
 repository on sys.path and one torch thread, and writes docs/porting_check.md: the commands, the package versions, each snippet's output, pass/fail
 (docs/porting.md links each snippet file; nothing is copied into it).
 
@@ -17,8 +17,7 @@ benchmarks/porting/verl_v1.py (verl 0.9.1's v1 trainer). No warning is silenced:
 each run's warnings, as a user will see them.
 
 Not part of the test suite (it installs verl, ray and TRL, about 2 GB): tests/ never imports it.
-A method whose snippet is not written yet is listed as TODO. Runs in about a minute with the venv
-in place, a few minutes more to build it.
+Runs in about a minute with the venv in place, a few minutes more to build it.
 """
 
 from __future__ import annotations
@@ -179,19 +178,13 @@ def write_doc(results, commands, vers, build, wall, started):
     ]
     for method in METHODS:
         for fw in FRAMEWORKS:
-            r = results.get(f"{method}_{fw}")
-            if r is None:
-                lines.append(f"| {method} | {fw} | not written yet | TODO (kernel not final) | |")
-            else:
-                res = "PASS" if r["ok"] else f"FAIL (exit {r['rc']})"
-                lines.append(f"| {method} | {fw} | [{r['name']}.py](../benchmarks/porting/"
-                             f"{r['name']}.py) | {res} | {r['seconds']:.0f} |")
+            r = results[f"{method}_{fw}"]
+            res = "PASS" if r["ok"] else f"FAIL (exit {r['rc']})"
+            lines.append(f"| {method} | {fw} | [{r['name']}.py](../benchmarks/porting/"
+                         f"{r['name']}.py) | {res} | {r['seconds']:.0f} |")
     for suite, label in SUITES.items():
-        r = results.get(suite)
+        r = results[suite]
         for method in METHODS:
-            if r is None:
-                lines.append(f"| {method} | {label} | not run | | |")
-                continue
             res = "PASS" if f"PASS {method}_{suite}" in r["stdout"] else "FAIL"
             lines.append(f"| {method} | {label} | [{suite}.py](../benchmarks/porting/{suite}.py) "
                          f"| {res} | {r['seconds']:.0f} (all five) |")
@@ -226,10 +219,7 @@ def main():
     results = {}
     for method in METHODS:
         for fw in FRAMEWORKS:
-            path = SNIPPETS / f"{method}_{fw}.py"
-            if not path.exists():
-                continue
-            r = run_snippet(args.venv, path, args.timeout)
+            r = run_snippet(args.venv, SNIPPETS / f"{method}_{fw}.py", args.timeout)
             r["python"] = shown(venv_python(args.venv))
             print(f"{r['name']}: {'PASS' if r['ok'] else 'FAIL'} ({r['seconds']:.0f} s)",
                   flush=True)

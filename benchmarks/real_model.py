@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -39,7 +38,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
-from learning import run_learning  # noqa: E402 - the before -> after of a finished run
+from learning import mean_se, run_learning  # noqa: E402 - the before -> after of a finished run
 
 
 RESULTS = REPO / "docs" / "results" / "real_model.jsonl"
@@ -76,17 +75,6 @@ def append(record: dict, path=RESULTS) -> None:
     record = {**record, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "load_avg": record.get("load_avg", load_avg())}
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
-
-
-def mean_se(values):
-    n = len(values)
-    if not n:
-        return 0.0, 0.0
-    m = sum(values) / n
-    if n < 2:
-        return m, 0.0
-    var = sum((v - m) ** 2 for v in values) / (n - 1)
-    return m, math.sqrt(var / n)
 
 
 def peak_rss_gb() -> float:
