@@ -1,15 +1,8 @@
 """Credit quality: each method's per-turn credit against the true advantage of each turn, by Monte Carlo.
 
-For turn t of a rollout, with s_t the state before the turn and a_t the action taken,
-
-    A*(t) = Q(s_t, a_t) - V(s_t)
-
-under the policy that produced the rollout: Q is the mean return of `n` continuations that play a_t
-from a copy of s_t (`env.clone()`) and then follow the policy; V the mean return of `n` continuations
-from another copy of s_t that sample a fresh action and follow the policy. Scripted opponents or a
-self-play partner move inside the game as in the rollout (the copies carry their state). The return of
-a continuation is what the method's outcome measures (success 0/1 for a single-agent env; the learner
-seat's deal position for a two-player game). The standard error of A* is sqrt(var_Q / n + var_V / n).
+A*(t) = Q(s_t, a_t) - V(s_t) under the policy that produced the rollout, from `n` continuations of a copy
+of s_t (`env.clone()`) each for Q (play a_t) and V (sample a fresh action); SE sqrt(var_Q / n + var_V / n).
+The return of a continuation is what the method's outcome measures (docs/credit_quality.md).
 
 This file holds the Monte Carlo estimator, the statistics (Spearman correlation and AUC of a credit
 against A*, with episode-bootstrap confidence intervals, and the reliability of A*), one adapter per

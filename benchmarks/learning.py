@@ -12,16 +12,7 @@ Every (variant, seed) runs, as a subprocess in the repository root,
 
 so everything not named is the script's own default: the point is to measure the run a user gets. The
 scratch run directory is deleted after its line is written (`--keep-runs DIR` keeps the runs there).
-Tables are made from the results files by `python benchmarks/report.py` (docs/design.md, "Benchmarks").
-
-One JSON line per run (keys in `RECORD_KEYS`): the command as a user types it (without --output-dir and
---exp-name, which change no result), seed, variant and its flags; the main metric before and after, the
-change and their standard errors (the `learning` block computed from the run's summary.json), the greedy
-metric, the learning curve, the means of the run's `credit/*` and `perf/*` metrics, the training
-rollouts' `charts/*` over the first and the last quarter of the iterations (`train_charts`), wall
-seconds, iterations, config.json, the tiny policy (recipe hash and a hash of its weights: one recipe
-builds different weights on different machines), the machine (CPU, load average at the start and end,
-torch and transformers versions), the git commit, and how many runs shared the machine (`--parallel`).
+The line's keys: `RECORD_KEYS` (docs/design.md, "Benchmarks"); its tables: `python benchmarks/report.py`.
 
 Resumable: a run whose (variant, seed, command) is already in the --out file is skipped (`--rerun` runs
 it again; report.py uses the last line of each). With `--keep-runs DIR` a killed run also resumes: its

@@ -6,18 +6,11 @@
 
 A generated table lives between two marker lines in a doc, `<!-- results:KEY -->` and
 `<!-- /results:KEY -->`; only the text between them is rewritten. What each table shows is declared once,
-in TABLES (a `Table`: the script, its variants and their learning.py flags, the method and its
-baselines, the seeds, the doc; its results are docs/results/<key>.jsonl) and in SUMMARY. Only result
-lines whose script, variant flags and extra flags match the Table count (a Table's `earlier` flags
-restore defaults the script had when it ran, and lines whose config has those values count); of
-repeated (variant, seed) lines the last one counts. Per variant: the main metric before and after
-(means over seeds), the mean change ± SE over seeds (sample std / sqrt(n)), the runs above 2 own SEs,
-greedy before → after, wall time, the training rollouts' success (`train_charts`); per seed each change
-with its run's own SE; per (method, baseline) the paired difference of the changes on the same seed,
-at the end and averaged over the evaluations during training. SUMMARY is docs/results.md's
-cross-method table (the tables marked `summary`), SMOLLM2_SUMMARY the same for SmolLM2, and the power
-table (POWER_DOC) has the pairs of the tables marked `power`. Missing markers are reported and skipped.
-With matplotlib, the learning curves (mean over seeds, ± SE band) go to docs/results/<key>.png.
+in TABLES (a `Table`), SUMMARY, SMOLLM2_SUMMARY and the power table's rows (docs/design.md, "Benchmarks").
+Only result lines whose script, variant flags and extra flags match the Table count (a Table's `earlier`
+flags restore defaults the script had when it ran, and lines whose config has those values count); of
+repeated (variant, seed) lines the last one counts. Missing markers are reported and skipped. With
+matplotlib, the learning curves (mean over seeds, ± SE band) go to docs/results/<key>.png.
 """
 
 from __future__ import annotations
