@@ -127,7 +127,7 @@ DEFAULTS = {
     "tiny": dict(env_id="twenty_questions", max_turns=20, num_iterations=64, tasks_per_iteration=8,
                  group_size=4, learning_rate=5e-4, num_minibatches=2, micro_batch_size=64,
                  eval_num_tasks=0, eval_k=5, eval_every=32, checkpoint_every=50),
-    "smollm2-135m": dict(env_id="twenty_questions", max_turns=9, num_iterations=10,
+    "smollm2-135m": dict(env_id="twenty_questions", max_turns=12, num_iterations=10,
                          tasks_per_iteration=4, group_size=4, learning_rate=1e-4, num_minibatches=2,
                          micro_batch_size=8, eval_num_tasks=20, eval_k=2, eval_every=5,
                          checkpoint_every=2),

@@ -276,7 +276,9 @@ DEFAULTS = dict(lora_r=16, lora_alpha=32, lora_first_layer=15, steps=600, batch_
                 weight_decay=0.0, grad_clip=1.0, eval_tasks=50, seed=0)
 RECIPES: dict[str, dict] = {
     "webshop": dict(steps=300, lr=4e-4),
-    "twenty_questions": dict(),
+    # the faithful game (the paper's §4: the set of secrets is unknown to the questioner): no candidate
+    # list, unlike the tiny recipe, so the adapter learns to name the secret from the answers alone
+    "twenty_questions": dict(env_kwargs={"show_candidates": 0}),
     "bargaining": dict(steps=300, lr=4e-4),
     "negotiation": dict(),
     "sokoban": dict(),
@@ -319,7 +321,9 @@ def recipe_for(env_id: str, overrides: Optional[dict] = None) -> dict:
     recipe["demo_seed"] = demo["seed"]
     recipe["env_kwargs"] = {**demo.get("env_kwargs", {}), "system_prompt": SYSTEM[name]}
     recipe.update(DEFAULTS)
-    recipe.update(RECIPES[name])
+    own = dict(RECIPES[name])
+    recipe["env_kwargs"].update(own.pop("env_kwargs", {}))  # a recipe's env options add to the demos'
+    recipe.update(own)
     for key, value in (overrides or {}).items():
         if key not in recipe:
             raise ValueError(f"unknown SmolLM2 recipe key {key!r}; known: {', '.join(sorted(recipe))}")

@@ -536,7 +536,8 @@ def test_policy_prompt_options_hand_values_and_the_deprecated_wrapper(tmp_path):
         ("smollm2-135m", "webshop", "default"): (
             False, True, {"instructions": False, "system_prompt": SYSTEM["webshop"]}, 16, 1.0),
         ("smollm2-135m", "twenty_questions", "default"): (
-            False, True, {**questions, "system_prompt": SYSTEM["twenty_questions"]}, 16, 1.0),
+            False, True, {**questions, "show_candidates": 0, "system_prompt": SYSTEM["twenty_questions"]}, 16,
+            1.0),  # the adapter plays the faithful game: no candidate list
         ("smollm2-135m", "sokoban", "default"): (False, False, {}, None, 1.0),  # no adapter shipped
         ("smollm2-135m-instruct", "webshop", "default"): (False, False, {}, None, 1.0),
         ("Qwen/Qwen2.5-1.5B-Instruct", "webshop", "default"): (False, False, {}, None, 1.0),

@@ -215,3 +215,16 @@ def test_aria_on_smollm2_runs_the_shipped_bargaining_adapters_prompt():
     assert args.max_new_tokens == entry["max_new_tokens"]
     probe.reset(probe.task_ids("test")[0])
     assert probe.observe(probe.current_player)[0]["content"] == smollm2.SYSTEM["bargaining"]
+
+
+def test_the_twenty_questions_adapter_plays_the_faithful_game():
+    """The paper (§4): the set of secrets is unknown to the questioner. The SmolLM2 recipe renders its
+    demonstrations without the candidate list (the tiny recipe shows it once 5 are left), and the shipped
+    adapter is that build, so `--model-name smollm2-135m` plays its env options: the list hidden."""
+    from common import tiny
+
+    assert tiny.recipe_for("twenty_questions")["env_kwargs"]["show_candidates"] == 5
+    recipe = smollm2.recipe_for("twenty_questions")
+    assert recipe["env_kwargs"]["show_candidates"] == 0 and recipe["env_kwargs"]["secrets"] == "compound"
+    entry = smollm2.read_manifest()["adapters"]["twenty_questions"]
+    assert entry["recipe_hash"] == smollm2.recipe_hash(recipe) and entry["env_kwargs"]["show_candidates"] == 0
