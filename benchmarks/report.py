@@ -166,15 +166,26 @@ SMOLLM2_BASELINES = {"graphgpo": ("graphgpo", "GraphGPO", "grpo", "GRPO", "--ste
                      "aria": ("aria", "ARIA", "reinforce", "REINFORCE", "--no-aggregate"),
                      "epo": ("epo", "EPO", "prm_none", "outcome only", "--prm none")}
 SMOLLM2_SEEDS = {"istar": tuple(range(4, 12))}  # iStar: the rule fixed in smollm2.md counts seeds 4-11
+# ΔBelief's table ran from the earlier Twenty Questions adapter; the faithful game is SMOLLM2_HIDDEN below.
+SMOLLM2_NOTES = {"delta_belief": "Evaluations with common random numbers. The earlier Twenty Questions adapter "
+                                 "(1548008d1e, trained with the list of candidate secrets and shown it) at 9 "
+                                 "questions, the DEFAULTS row of then."}
 SMOLLM2_TABLES = [
     Table(f"smollm2_{script}", "docs/smollm2.md", script,
           {m: (label_m, SMOLLM2), b: (label_b, f"{SMOLLM2} {flags}")}, method=m, baselines=(b,),
           seeds=SMOLLM2_SEEDS.get(script, (4, 5, 6)),
           power=False, model="smollm2-135m",
-          note="Evaluations with common random numbers. SmolLM2-135M-Instruct from the env's shipped SFT adapter, "
-               "the script's SmolLM2 run size (its DEFAULTS row).")
+          note=SMOLLM2_NOTES.get(script, "Evaluations with common random numbers. SmolLM2-135M-Instruct from the "
+                                          "env's shipped SFT adapter, the script's SmolLM2 run size (its DEFAULTS row)."))
     for script, (m, label_m, b, label_b, flags) in SMOLLM2_BASELINES.items()]
-TABLES += SMOLLM2_TABLES
+# ΔBelief vs StarPO on the faithful game, by the rule fixed in smollm2.md before its runs.
+SMOLLM2_HIDDEN = Table(
+    "smollm2_delta_belief_hidden", "docs/smollm2.md", "delta_belief",
+    {"delta_belief": ("ΔBelief-RL", SMOLLM2), "starpo": ("StarPO", f"{SMOLLM2} --reward-mode starpo")},
+    method="delta_belief", baselines=("starpo",), seeds=(4, 5, 6), power=False, model="smollm2-135m",
+    note="Evaluations with common random numbers. The faithful game: the set of secrets hidden from the "
+         "questioner (paper §4), the rebuilt adapter (1a5e9220e5), 12 questions (the DEFAULTS row).")
+TABLES += [*SMOLLM2_TABLES, SMOLLM2_HIDDEN]
 
 SCRIPT_ORDER = ("graphgpo", "istar", "delta_belief", "aria", "epo")  # the summary's order of the methods
 
