@@ -229,6 +229,15 @@ def test_rendered_tables_show_the_hand_numbers(toy_records):
             "`python graphgpo.py --seed S --torch-threads 1` |") in summary
 
 
+def test_heldout_rows_by_hand(tmp_path, toy_records):
+    # one held-out run of graphgpo on sokoban: 0.30 -> 0.50, change +0.20 ± 0.04; beside it the toy table's
+    # method mean change over seeds, +0.15 ± 0.05 (the hand arithmetic above the fixture)
+    (tmp_path / "docs/results").mkdir(parents=True)
+    (tmp_path / report.HELDOUT).write_text(json.dumps(line("m", 20, 0.30, 0.50, change_se=0.04, wall=254.4)) + "\n")
+    text = report.render_heldout(tmp_path, {"toy": toy_records}, tables=[TOY], summary=TOY_SUMMARY)
+    assert "| graphgpo | sokoban `eval/success` | 20 | 0.300 → 0.500 | +0.200 ± 0.040 | +0.150 ± 0.050 | 254 |" in text
+
+
 def test_power_by_hand(toy_records):
     runs = report.select(TOY, toy_records)
     # paired m - b: +0.10, 0.00, +0.20 -> mean 0.10, std sqrt(0.02 / 2) = 0.1 (see the fixture's arithmetic);
